@@ -1,0 +1,205 @@
+"""A deterministic in-memory test backend: a softmax bandit small enough to reason about.
+
+Not a product backend. The "policy" is a logit per answer 0..K-1; a request's answer is drawn
+from softmax(logits / temperature) with the request's seed, so outputs depend only on the seed and
+the weights version, never on timing. Training is plain policy gradient on those logits, with a
+separate sampler copy of the weights that only `on_policy_updated` refreshes (so async data is
+really off-policy). Every call is recorded for the tests to inspect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+from unified.config import TrainerConfig
+from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
+from unified.types import ModelOutput, Step, Task, Trajectory, TrajectoryGroup
+
+
+class CharTokenizer:
+    """Code points as token ids."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def softmax(logits: list[float], temperature: float = 1.0) -> list[float]:
+    scaled = [x / temperature for x in logits]
+    top = max(scaled)
+    exps = [math.exp(x - top) for x in scaled]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+class BanditEngine(RolloutEngine):
+    """Samples an answer digit from the sampler copy of the logits."""
+
+    def __init__(self, backend: BanditBackend) -> None:
+        self.backend = backend
+
+    @property
+    def tokenizer(self) -> CharTokenizer:
+        return self.backend.tokenizer
+
+    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
+        prompt = "".join(str(m["content"]) for m in messages)
+        return await self.complete(self.tokenizer.encode(prompt), **sampling)
+
+    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
+        b = self.backend
+        b.requests.append({**sampling, "version": b.sampler_version})
+        b.active_requests += 1
+        try:
+            await b.latency(sampling["seed"])
+            version, logits = b.sampler_version, list(b.sampler_logits)
+            if sampling["temperature"] == 0:
+                answer = max(range(len(logits)), key=lambda i: logits[i])
+            else:
+                probs = softmax(logits, sampling["temperature"])
+                answer = random.Random(sampling["seed"]).choices(range(len(probs)), probs)[0]
+            logprob = math.log(softmax(logits)[answer])
+            return ModelOutput(
+                text=str(answer),
+                prompt_ids=prompt_ids,
+                completion_ids=[48 + answer],
+                logprobs=[logprob],
+                finish_reason="stop",
+                policy_version=version,
+            )
+        finally:
+            b.active_requests -= 1
+
+
+async def no_latency(seed: int) -> None:
+    await asyncio.sleep(0)
+
+
+def heavy_tailed_latency(scale_yields: float = 2.0, cap: int = 200) -> Callable[[int], Any]:
+    """Latency as a Pareto-distributed number of event-loop yields, keyed on the seed."""
+
+    async def latency(seed: int) -> None:
+        yields = min(cap, int(scale_yields * random.Random(seed ^ 0x5EED).paretovariate(1.2)))
+        for _ in range(yields):
+            await asyncio.sleep(0)
+
+    return latency
+
+
+class BanditBackend(BackendProtocol):
+    """Policy gradient on K logits; records every call."""
+
+    name: ClassVar[str] = "bandit"
+
+    def __init__(
+        self,
+        arms: int = 4,
+        *,
+        latency: Callable[[int], Any] = no_latency,
+        capabilities: BackendCapabilities | None = None,
+    ) -> None:
+        self.arms = arms
+        self.tokenizer = CharTokenizer()
+        self.latency = latency
+        if capabilities is not None:
+            self.capabilities = capabilities
+        self.train_logits = [0.0] * arms
+        self.sampler_logits = [0.0] * arms
+        self.sampler_version = 0
+        self.grad = [0.0] * arms
+        self.lr = 0.0
+        self.requests: list[dict[str, Any]] = []
+        self.events: list[tuple[Any, ...]] = []
+        self.active_requests = 0
+        self.workflows_running = 0
+        self.setup_called = self.shutdown_called = False
+
+    async def setup(self, config: TrainerConfig) -> None:
+        self.setup_called = True
+        self.lr = config.trainer.lr
+
+    def rollout_engine(self) -> BanditEngine:
+        return BanditEngine(self)
+
+    async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        self.events.append(("forward_backward", [g.group_id for g in groups]))
+        probs = softmax(self.train_logits)
+        losses, kls = [], []
+        for group in groups:
+            for episode, advantage in zip(group.episodes, group.advantages, strict=True):
+                for trajectory in episode.trajectories:
+                    for step in trajectory.steps:
+                        answer = step.output.completion_ids[0] - 48
+                        for i in range(self.arms):
+                            self.grad[i] += advantage * ((i == answer) - probs[i])
+                        train_logprob = math.log(probs[answer])
+                        losses.append(-advantage * train_logprob)
+                        kls.append(step.output.logprobs[0] - train_logprob)
+        return {
+            "train/loss": sum(losses) / max(1, len(losses)),
+            "train/kl_sample_train": sum(kls) / max(1, len(kls)),
+            "train/entropy": -sum(p * math.log(p) for p in probs),
+        }
+
+    async def optim_step(self) -> dict[str, float]:
+        self.events.append(("optim_step", self.lr))
+        self.train_logits = [
+            w + self.lr * g for w, g in zip(self.train_logits, self.grad, strict=True)
+        ]
+        self.grad = [0.0] * self.arms
+        return {"train/grad_norm": 0.0}
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.lr = lr
+
+    async def on_policy_updated(self, version: int) -> None:
+        self.events.append(
+            ("on_policy_updated", version, self.workflows_running, self.active_requests)
+        )
+        self.sampler_logits = list(self.train_logits)
+        self.sampler_version = version
+
+    async def save_checkpoint(self, directory: Path) -> None:
+        state = {"train": self.train_logits, "sampler": self.sampler_logits, "grad": self.grad}
+        (directory / "bandit.json").write_text(json.dumps(state))
+
+    async def load_checkpoint(self, directory: Path) -> None:
+        state = json.loads((directory / "bandit.json").read_text())
+        self.train_logits, self.sampler_logits = state["train"], state["sampler"]
+        self.grad = state["grad"]
+
+    async def shutdown(self) -> None:
+        self.shutdown_called = True
+
+
+class BanditWorkflow:
+    """Ask for the task's target answer; reward 1 for a hit. Tracks running workflows."""
+
+    backend: ClassVar[BanditBackend | None] = None
+
+    async def run(self, task: Task, model: RolloutEngine) -> Trajectory:
+        backend = model._engine.backend if hasattr(model, "_engine") else None
+        if backend is not None:
+            backend.workflows_running += 1
+        try:
+            messages = [{"role": "user", "content": f"pick {task.data['target']}"}]
+            out = await model.chat(messages)
+            reward = float(out.text == str(task.data["target"]))
+            step = Step(messages=messages, output=out, reward=reward)
+            return Trajectory(steps=[step], reward=reward)
+        finally:
+            if backend is not None:
+                backend.workflows_running -= 1
+
+
+def bandit_tasks(n: int, arms: int = 4, prefix: str = "t") -> list[Task]:
+    """`n` tasks whose targets cycle through the arms."""
+    return [Task(id=f"{prefix}{i}", data={"target": i % arms}) for i in range(n)]

@@ -1,0 +1,50 @@
+"""Shared fixtures: every test runs offline, in a temporary run directory."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+ConfigFactory = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture
+def make_config(tmp_path: Path) -> ConfigFactory:
+    """A config dict for the bandit backend; keyword sections are merged over the defaults."""
+
+    def make(**sections: Any) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "name": "test",
+            "mode": "sync",
+            "workflow": "tests.bandit:BanditWorkflow",
+            "trainer": {
+                "total_steps": 4,
+                "batch_size": 2,
+                "group_size": 4,
+                "lr": 0.5,
+                "eval_every": 0,
+                "eval_before_train": False,
+                "save_every": 0,
+                "stall_timeout": 30,
+                "workflow_timeout": 10,
+            },
+            "async": {"max_staleness": 1, "sync_every": 1},
+            "logging": {"run_dir": str(tmp_path / "runs"), "console": False},
+        }
+        for key, value in sections.items():
+            key = "async" if key == "async_" else key
+            if isinstance(value, dict) and isinstance(config.get(key), dict):
+                config[key] = {**config[key], **value}
+            else:
+                config[key] = value
+        return config
+
+    return make

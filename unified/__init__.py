@@ -1,0 +1,42 @@
+"""unified: one trainer for RL post-training of LLM policies and agents, on any backend.
+
+`import unified` stays light: torch, tinker, verl, ray and wandb load only where they are used.
+"""
+
+from unified.buffer import TrajectoryGroupBuffer
+from unified.config import TrainerConfig, load_config
+from unified.coordinator import SyncCoordinator
+from unified.metrics import MetricsAggregator
+from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
+from unified.trainer import TrainResult, UnifiedTrainer
+from unified.types import (
+    Episode,
+    ModelOutput,
+    SamplingParams,
+    Step,
+    Task,
+    Trajectory,
+    TrajectoryGroup,
+)
+
+__all__ = [
+    "BackendCapabilities",
+    "BackendProtocol",
+    "Episode",
+    "MetricsAggregator",
+    "ModelOutput",
+    "RolloutEngine",
+    "SamplingParams",
+    "Step",
+    "SyncCoordinator",
+    "Task",
+    "TrainResult",
+    "TrainerConfig",
+    "Trajectory",
+    "TrajectoryGroup",
+    "TrajectoryGroupBuffer",
+    "UnifiedTrainer",
+    "load_config",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,143 @@
+"""The run directory: resolved config, the group ledger, and atomic checkpoints.
+
+`runs/<name>/config.yaml` is the resolved config, `ledger.jsonl` has one line per ended group,
+and `checkpoints/step_NNNNNN/` a complete snapshot (trainer state + backend state). A checkpoint
+is written into a temporary directory and renamed into place, so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from unified.errors import UsageError
+
+__all__ = ["LedgerEntry", "RunDirectory", "TrainerState"]
+
+_STATE_FILE = "trainer_state.json"
+
+
+class LedgerEntry(BaseModel):
+    """One ended group. Its staleness is `trainer_version - policy_version` (trained groups)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_id: str
+    task_id: str
+    outcome: Literal["trained", "filtered", "failed"]
+    step: int
+    policy_version: int
+    trainer_version: int
+    reason: str = ""
+
+
+class TrainerState(BaseModel):
+    """What the trainer needs to continue a run exactly where a checkpoint left it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int
+    version: int
+    next_seq: int
+    sampler: dict[str, int]
+    redispatch: list[str] = []
+    """Ids of tasks dispatched but not yet ended at save time; dispatched again on resume."""
+
+
+class RunDirectory:
+    """Owns `runs/<name>/`: creates it, appends to the ledger, saves and finds checkpoints."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.checkpoints = path / "checkpoints"
+        self.ledger_path = path / "ledger.jsonl"
+
+    def create(self, config_yaml: str, *, resume: bool) -> None:
+        """Make the directory and write `config.yaml`; refuse to overwrite an unrelated run."""
+        if self.path.exists() and any(self.path.iterdir()) and not resume:
+            raise UsageError(
+                f"run directory {str(self.path)!r} already holds a run; set resume=true to "
+                "continue it, pick another name=..., or delete the directory"
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.path / "config.yaml", config_yaml)
+
+    def append_ledger(self, entries: Iterable[LedgerEntry]) -> None:
+        """Append ledger lines (blocking: call from a thread)."""
+        lines = "".join(e.model_dump_json() + "\n" for e in entries)
+        if lines:
+            with self.ledger_path.open("a") as f:
+                f.write(lines)
+
+    def read_ledger(self) -> list[LedgerEntry]:
+        """Every ledger line written so far."""
+        if not self.ledger_path.exists():
+            return []
+        text = self.ledger_path.read_text()
+        return [LedgerEntry.model_validate_json(line) for line in text.splitlines() if line]
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint directory, if any."""
+        if not self.checkpoints.is_dir():
+            return None
+        done = sorted(p for p in self.checkpoints.glob("step_*") if (p / _STATE_FILE).is_file())
+        return done[-1] if done else None
+
+    async def save_checkpoint(
+        self, state: TrainerState, save_backend: Callable[[Path], Awaitable[None]]
+    ) -> Path:
+        """Write a checkpoint for `state.step` atomically: temp directory, then rename."""
+        import asyncio
+
+        final = self.checkpoints / f"step_{state.step:06d}"
+        tmp = self.checkpoints / f".tmp-step_{state.step:06d}"
+        await asyncio.to_thread(_fresh_dir, tmp)
+        try:
+            await save_backend(tmp / "backend")
+            await asyncio.to_thread(_write_atomic, tmp / _STATE_FILE, state.model_dump_json())
+            await asyncio.to_thread(_replace_dir, tmp, final)
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
+            raise
+        return final
+
+    @staticmethod
+    def load_state(checkpoint: Path) -> TrainerState:
+        """Read the trainer state of a checkpoint directory."""
+        return TrainerState.model_validate_json((checkpoint / _STATE_FILE).read_text())
+
+    def truncate_ledger(self, after_step: int) -> None:
+        """Drop ledger lines of steps after `after_step` (work lost with a crash; redone now)."""
+        kept = [e for e in self.read_ledger() if e.step <= after_step]
+        _write_atomic(self.ledger_path, "".join(e.model_dump_json() + "\n" for e in kept))
+
+    def truncate_metrics(self, after_step: int) -> None:
+        """Drop metrics lines of steps after `after_step`."""
+        path = self.path / "metrics.jsonl"
+        if path.exists():
+            lines = path.read_text().splitlines()
+            kept = [ln for ln in lines if ln and json.loads(ln).get("step", 0) <= after_step]
+            _write_atomic(path, "".join(ln + "\n" for ln in kept))
+
+
+def _fresh_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    (path / "backend").mkdir(parents=True)
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(src, dst)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

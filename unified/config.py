@@ -1,0 +1,259 @@
+"""The run configuration: one pydantic model tree, loaded from YAML plus dotted overrides.
+
+Every key has a default except `workflow`; a misspelt key is an error that lists the valid keys.
+`load_config("run.yaml", ["trainer.batch_size=16", "async.max_staleness=2"])` is what the CLI
+does; `UnifiedTrainer` accepts a `TrainerConfig`, a dict of the same shape, or a YAML path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from unified.errors import ConfigError
+from unified.types import SamplingParams
+
+__all__ = [
+    "AsyncConfig",
+    "DataConfig",
+    "LoggingConfig",
+    "SamplingConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "apply_overrides",
+    "load_config",
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class TrainConfig(_Section):
+    """`trainer:` — the optimization schedule, loss, advantages and fault tolerance."""
+
+    total_steps: int = Field(100, ge=1, description="Optimizer steps to run.")
+    batch_size: int = Field(8, ge=1, description="Groups (tasks) per optimizer step.")
+    group_size: int = Field(8, ge=1, description="Rollouts per task.")
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Groups per forward_backward call (default: the whole batch). Smaller values "
+        "stream: in async mode training starts on the first groups while later ones generate.",
+    )
+    loss: Literal["cross_entropy", "importance_sampling", "ppo", "cispo"] = Field(
+        "ppo", description="Policy loss; ppo (clipped ratio) is the safe choice for async."
+    )
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce"] = Field(
+        "grpo", description="Group baseline used to turn rewards into advantages."
+    )
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Decay over optimizer steps (not tasks) after warm-up."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up.")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO/CISPO clip range of the ratio.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference.")
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+    filter_groups: bool = Field(
+        True, description="Drop groups whose rewards are all equal (no learning signal)."
+    )
+    max_filtered_in_a_row: int = Field(
+        256,
+        ge=1,
+        description="Stop the run when this many groups in a row end filtered or failed: "
+        "the reward gives no signal for this policy.",
+    )
+    eval_every: int = Field(10, ge=0, description="Evaluate every N steps (0: never).")
+    eval_before_train: bool = Field(True, description="Evaluate once before the first step.")
+    save_every: int = Field(20, ge=0, description="Checkpoint every N steps (0: never).")
+    seed: int = Field(0, description="Seed for data order and per-request sampling seeds.")
+    workflow_timeout: float = Field(
+        60.0, gt=0, description="Seconds one workflow run may take before it becomes 'timeout'."
+    )
+    max_error_rate: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="Stop and re-raise when this fraction of episodes errors or times out.",
+    )
+    stall_timeout: float = Field(
+        600.0, gt=0, description="Seconds any wait may go without progress before it fails."
+    )
+
+
+class AsyncConfig(_Section):
+    """`async:` — the fully-async loop: staleness bound, weight-sync cadence, concurrency."""
+
+    max_staleness: int = Field(
+        1, ge=0, description="Most policy versions a trained group may lag behind the weights."
+    )
+    sync_every: int = Field(
+        1, ge=1, description="Optimizer steps between weight syncs (both modes)."
+    )
+    partial_rollout: bool = Field(
+        False, description="Keep requests running across a weight sync instead of draining."
+    )
+    max_concurrency: int = Field(64, ge=1, description="Most workflows running at once.")
+    dispatch_rate: float | None = Field(
+        None, gt=0, description="Most workflow starts per second (e.g. a remote API's limit)."
+    )
+
+
+class SamplingConfig(_Section):
+    """`sampling:` — settings for training rollouts and for evaluation, chosen per request."""
+
+    train: SamplingParams = Field(default_factory=SamplingParams)
+    eval: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.0))
+
+
+class DataConfig(_Section):
+    """`data:` — where tasks come from: a file path, or `{generator: module:fn, ...kwargs}`."""
+
+    train: str | dict[str, Any] | None = Field(None, description="Training tasks.")
+    eval: str | dict[str, Any] | None = Field(None, description="Evaluation tasks.")
+    eval_limit: int | None = Field(None, ge=1, description="Evaluate on at most N tasks.")
+
+
+class LoggingConfig(_Section):
+    """`logging:` — the run directory and metric sinks."""
+
+    run_dir: Path = Field(Path("runs"), description="Parent of runs/<name>/.")
+    console: bool = Field(True, description="Live progress line on the terminal.")
+    jsonl: bool = Field(True, description="Write metrics.jsonl.")
+    tensorboard: bool = Field(False, description="Write TensorBoard event files.")
+    wandb: bool = Field(False, description="Log to Weights & Biases (offline without a key).")
+    wandb_project: str = Field("unified", description="W&B project name.")
+
+
+class TrainerConfig(_Section):
+    """The whole run: what to train, on which backend, how, and where to log."""
+
+    name: str = Field("run", pattern=r"^[A-Za-z0-9_.\-]+$", description="Run name: runs/<name>.")
+    backend: str = Field(
+        "local", description="local | tinker | verl, or an import path module:Class."
+    )
+    mode: Literal["sync", "async"] = Field("sync", description="Training loop.")
+    workflow: str = Field(description="Import path of the workflow: module:Class or module:fn.")
+    model: str = Field("builtin:tiny", description="Built-in model, local HF directory or name.")
+    data: DataConfig = Field(default_factory=DataConfig)
+    trainer: TrainConfig = Field(default_factory=TrainConfig)
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    resume: bool = Field(False, description="Continue from the newest complete checkpoint.")
+    local: dict[str, Any] = Field(default_factory=dict, description="Local backend settings.")
+    tinker: dict[str, Any] = Field(default_factory=dict, description="Tinker backend settings.")
+    verl: dict[str, Any] = Field(default_factory=dict, description="verl backend settings.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainerConfig:
+        t = self.trainer
+        if t.micro_batch_size is not None and t.micro_batch_size > t.batch_size:
+            raise ValueError(
+                f"trainer.micro_batch_size ({t.micro_batch_size}) must be <= trainer.batch_size "
+                f"({t.batch_size})"
+            )
+        return self
+
+    @property
+    def run_path(self) -> Path:
+        """The run directory, `<logging.run_dir>/<name>`."""
+        return self.logging.run_dir / self.name
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML, with `async` under its public name."""
+        data = self.model_dump(mode="json", by_alias=True)
+        return yaml.safe_dump(data, sort_keys=False)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Set `a.b.c=value` overrides (values parsed as YAML) into a nested dict, in place."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+        try:
+            value = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from e
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def load_config(
+    source: TrainerConfig | Mapping[str, Any] | str | Path, overrides: Sequence[str] = ()
+) -> TrainerConfig:
+    """Build a `TrainerConfig` from a model, a dict or a YAML file, then apply `overrides`."""
+    if isinstance(source, TrainerConfig):
+        if not overrides:
+            return source
+        raw: dict[str, Any] = source.model_dump(by_alias=True)
+    elif isinstance(source, Mapping):
+        raw = _deep_copy(source)
+    else:
+        raw = _read_yaml(Path(source))
+    apply_overrides(raw, overrides)
+    try:
+        return TrainerConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_explain(e)) from None
+
+
+def _deep_copy(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in mapping.items()}
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"config file {str(path)!r} must hold a mapping, got {type(raw).__name__}"
+        )
+    return raw
+
+
+def _explain(error: ValidationError) -> str:
+    """One line per problem, naming the dotted key; unknown keys list the valid ones."""
+    lines = []
+    for err in error.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            valid = ", ".join(sorted(_fields_at(err["loc"][:-1])))
+            lines.append(f"unknown config key {loc!r}; valid keys here: {valid}")
+        elif err["type"] == "missing":
+            lines.append(f"config key {loc!r} is required")
+        else:
+            got = err.get("input")
+            shown = f", got {got!r}" if not isinstance(got, dict | list) else ""
+            lines.append(f"config key {loc or '<root>'!r}: {err['msg']}{shown}")
+    return "; ".join(lines)
+
+
+def _fields_at(loc: Sequence[int | str]) -> list[str]:
+    model: type[BaseModel] = TrainerConfig
+    for part in loc:
+        field = next((f for n, f in model.model_fields.items() if part in (n, f.alias)), None)
+        ann = field.annotation if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return [f.alias or n for n, f in model.model_fields.items()]

@@ -1,0 +1,193 @@
+"""The two interfaces between the trainer and the world: `BackendProtocol` and `RolloutEngine`.
+
+A backend trains the policy and serves it for sampling; the trainer owns the policy version and
+tells the backend when version `v` must become visible to sampling (`on_policy_updated`). A
+workflow sees only a `RolloutEngine`. Every sampling setting is passed per request, so train and
+eval requests never share a mutable engine-wide mode.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from unified.types import ModelOutput, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from unified.config import TrainerConfig
+
+__all__ = [
+    "ALL_ADVANTAGES",
+    "ALL_LOSSES",
+    "BackendCapabilities",
+    "BackendProtocol",
+    "RolloutEngine",
+    "Tokenizer",
+    "check_capabilities",
+    "create_backend",
+]
+
+ALL_LOSSES = frozenset({"cross_entropy", "importance_sampling", "ppo", "cispo"})
+ALL_ADVANTAGES = frozenset({"grpo", "dr_grpo", "rloo", "reinforce"})
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """The part of a tokenizer a workflow may rely on (Hugging Face tokenizers fit it)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class RolloutEngine(ABC):
+    """What a workflow sees of the policy: a tokenizer and two async sampling calls.
+
+    `sampling` keywords are those of `unified.types.SamplingParams`; the trainer hands workflows
+    an engine that fills in the train or eval settings, so backends always receive all of them.
+    """
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Tokenizer:
+        """The policy's tokenizer."""
+
+    @abstractmethod
+    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
+        """Apply the chat template to `messages` and sample one assistant reply."""
+
+    @abstractmethod
+    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
+        """Sample a continuation of raw token ids."""
+
+
+class BackendCapabilities(BaseModel):
+    """What a backend can honour; a config knob outside it is an error at start-up."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    losses: frozenset[str] = Field(ALL_LOSSES, description="Loss names forward_backward accepts.")
+    advantages: frozenset[str] = Field(ALL_ADVANTAGES, description="Advantage estimators allowed.")
+    partial_rollout: bool = Field(
+        False, description="Requests may keep running across a weight sync (abort and resume)."
+    )
+    kl_penalty: bool = Field(True, description="Honours trainer.kl_coef > 0.")
+    entropy_bonus: bool = Field(True, description="Honours trainer.entropy_coef > 0.")
+    lr_schedules: frozenset[str] = Field(
+        frozenset({"constant", "linear", "cosine"}), description="Learning-rate schedules."
+    )
+    max_concurrency: int | None = Field(
+        None, description="Most concurrent sampling requests the backend can serve, if bounded."
+    )
+
+
+class BackendProtocol(ABC):
+    """A training backend: trains on groups, and serves the current policy for sampling.
+
+    Call order: `setup` once; then any number of (`forward_backward`+ `optim_step`) with
+    `on_policy_updated(v)` after every `sync_every` optimizer steps; `shutdown` always, last.
+    `forward_backward` may be called several times before one `optim_step` (streamed gradient
+    accumulation). Implementations run blocking work off the event loop (`asyncio.to_thread`).
+    """
+
+    name: ClassVar[str]
+    capabilities: BackendCapabilities = BackendCapabilities()
+
+    @abstractmethod
+    async def setup(self, config: TrainerConfig) -> None:
+        """Load the model, optimizer and sampler; called once before anything else."""
+
+    @abstractmethod
+    def rollout_engine(self) -> RolloutEngine:
+        """The engine that samples from the policy version last made visible."""
+
+    @abstractmethod
+    async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        """Accumulate the loss gradient of `groups`; return metrics such as `train/loss`."""
+
+    @abstractmethod
+    async def optim_step(self) -> dict[str, float]:
+        """Apply the accumulated gradient (one optimizer step) and clear it."""
+
+    @abstractmethod
+    async def on_policy_updated(self, version: int) -> None:
+        """Weight sync: make the trained weights visible to sampling as policy `version`."""
+
+    @abstractmethod
+    async def save_checkpoint(self, directory: Path) -> None:
+        """Write the backend's state (weights, optimizer, RNG) into an existing directory."""
+
+    @abstractmethod
+    async def load_checkpoint(self, directory: Path) -> None:
+        """Restore the state `save_checkpoint` wrote."""
+
+    @abstractmethod
+    async def shutdown(self) -> None:
+        """Release every resource; called once, also after an error."""
+
+    def set_learning_rate(self, lr: float) -> None:  # noqa: B027 - optional hook
+        """Use `lr` for the next `optim_step`; the trainer calls it with the scheduled value."""
+
+
+def create_backend(spec: str) -> BackendProtocol:
+    """Instantiate a backend by registry name (entry point group `unified.backends`) or path."""
+    from importlib.metadata import entry_points
+
+    from unified.errors import UsageError
+    from unified.imports import import_object
+
+    if ":" in spec:
+        cls = import_object(spec, what="backend")
+    else:
+        found = {ep.name: ep for ep in entry_points(group="unified.backends")}
+        if spec not in found:
+            names = ", ".join(sorted(found)) or "none installed"
+            raise UsageError(
+                f"unknown backend {spec!r}; registered backends: {names}; "
+                "or give an import path like 'package.module:MyBackend'"
+            )
+        try:
+            cls = found[spec].load()
+        except ImportError as e:
+            raise UsageError(
+                f"backend {spec!r} is registered but cannot be imported ({e}); "
+                f"install its extra: pip install 'unified[{spec}]'"
+            ) from e
+    if not (isinstance(cls, type) and issubclass(cls, BackendProtocol)):
+        raise UsageError(f"backend {spec!r} is not a BackendProtocol subclass")
+    return cls()
+
+
+def check_capabilities(config: TrainerConfig, backend: BackendProtocol) -> None:
+    """Raise `CapabilityError` naming the first knob of `config` that `backend` cannot honour."""
+    from unified.errors import CapabilityError
+
+    caps, t, a = backend.capabilities, config.trainer, config.async_
+    name = getattr(backend, "name", type(backend).__name__)
+
+    def refuse(knob: str, value: object, supported: str) -> CapabilityError:
+        return CapabilityError(
+            f"{knob}={value!r} is not supported by backend {name!r}; {supported}"
+        )
+
+    if t.loss not in caps.losses:
+        raise refuse("trainer.loss", t.loss, f"it supports: {', '.join(sorted(caps.losses))}")
+    if t.advantage not in caps.advantages:
+        supported = ", ".join(sorted(caps.advantages))
+        raise refuse("trainer.advantage", t.advantage, f"it supports: {supported}")
+    if t.lr_schedule not in caps.lr_schedules:
+        supported = ", ".join(sorted(caps.lr_schedules))
+        raise refuse("trainer.lr_schedule", t.lr_schedule, f"it supports: {supported}")
+    if a.partial_rollout and not caps.partial_rollout:
+        raise refuse("async.partial_rollout", True, "set async.partial_rollout=false")
+    if t.kl_coef > 0 and not caps.kl_penalty:
+        raise refuse("trainer.kl_coef", t.kl_coef, "set trainer.kl_coef=0")
+    if t.entropy_coef > 0 and not caps.entropy_bonus:
+        raise refuse("trainer.entropy_coef", t.entropy_coef, "set trainer.entropy_coef=0")
+    if caps.max_concurrency is not None and a.max_concurrency > caps.max_concurrency:
+        raise refuse(
+            "async.max_concurrency", a.max_concurrency, f"its limit is {caps.max_concurrency}"
+        )

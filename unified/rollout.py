@@ -1,0 +1,122 @@
+"""Running one workflow on one task: the per-request sampling view and the episode runner.
+
+`SamplingEngine` is what a workflow actually receives: it wraps the backend's engine, fills in the
+train or eval sampling settings per request, and gives each request a reproducible seed. The
+runner turns a workflow run into an `Episode`; a workflow's exception or timeout is recorded,
+never raised, so one bad rollout cannot take the run down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from unified.errors import BackendError, UsageError
+from unified.imports import import_object
+from unified.protocol import RolloutEngine, Tokenizer
+from unified.types import Episode, ModelOutput, SamplingParams, Task, Trajectory
+
+__all__ = ["SamplingEngine", "WorkflowFn", "resolve_workflow", "run_episode"]
+
+WorkflowFn = Callable[[Task, RolloutEngine], Awaitable[Any]]
+
+
+class SamplingEngine(RolloutEngine):
+    """A workflow's view of the policy: per-request defaults, seeds and token accounting."""
+
+    def __init__(self, engine: RolloutEngine, defaults: SamplingParams, seed: int | None) -> None:
+        self._engine = engine
+        self._defaults = defaults.model_dump()
+        self._seed = seed
+        self._calls = 0
+        self.completion_tokens = 0
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._engine.tokenizer
+
+    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
+        return self._checked(await self._engine.chat(messages, **self._params(sampling)))
+
+    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
+        return self._checked(await self._engine.complete(prompt_ids, **self._params(sampling)))
+
+    def _params(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        params = SamplingParams.model_validate({**self._defaults, **overrides})
+        if params.seed is None and self._seed is not None:
+            params.seed = self._seed * 1_000 + self._calls
+        self._calls += 1
+        return params.model_dump()
+
+    def _checked(self, output: Any) -> ModelOutput:
+        if not isinstance(output, ModelOutput):
+            raise BackendError(f"rollout engine returned {type(output).__name__}, not ModelOutput")
+        self.completion_tokens += len(output.completion_ids)
+        return output
+
+
+def resolve_workflow(workflow: Any) -> WorkflowFn:
+    """Turn an import path, a Workflow class or instance, or an async function into a callable.
+
+    A class is instantiated afresh for every episode, so workflows may keep per-run state.
+    """
+    if isinstance(workflow, str):
+        workflow = import_object(workflow, what="workflow")
+    if inspect.isclass(workflow):
+        cls: Any = workflow
+        if not inspect.iscoroutinefunction(getattr(cls, "run", None)):
+            raise UsageError(f"workflow class {cls.__name__} needs an `async def run(task, model)`")
+
+        async def run_fresh(task: Task, model: RolloutEngine) -> Any:
+            return await cls().run(task, model)
+
+        return run_fresh
+    run = getattr(workflow, "run", None)
+    if inspect.iscoroutinefunction(run):
+        return run
+    if inspect.iscoroutinefunction(workflow):
+        fn: WorkflowFn = workflow
+        return fn
+    raise UsageError(
+        f"workflow {workflow!r} is not an async function or a class with `async def run`"
+    )
+
+
+async def run_episode(
+    workflow: WorkflowFn,
+    task: Task,
+    model: RolloutEngine,
+    *,
+    rollout_index: int,
+    version: int,
+    timeout_s: float,
+) -> tuple[Episode, BaseException | None]:
+    """Run one workflow; return its episode and, if it failed, the original exception."""
+
+    def episode(**fields: Any) -> Episode:
+        return Episode(
+            task_id=task.id, rollout_index=rollout_index, policy_version=version, **fields
+        )
+
+    try:
+        async with asyncio.timeout(timeout_s) as deadline:
+            result = await workflow(task, model)
+        trajectories = _as_trajectories(result)
+    except TimeoutError as e:
+        if not deadline.expired():
+            return episode(status="error", error=f"TimeoutError: {e}"), e
+        message = f"workflow ran past workflow_timeout={timeout_s:g} s"
+        return episode(status="timeout", error=message), e
+    except Exception as e:
+        return episode(status="error", error=f"{type(e).__name__}: {e}"), e
+    return episode(trajectories=trajectories), None
+
+
+def _as_trajectories(result: Any) -> list[Trajectory]:
+    items = result if isinstance(result, list) else [result]
+    if not items or not all(isinstance(t, Trajectory) for t in items):
+        got = type(result).__name__
+        raise TypeError(f"workflow returned {got}; it must return a Trajectory (or a list of them)")
+    return list(items)

@@ -200,6 +200,9 @@ class BanditWorkflow:
                 backend.workflows_running -= 1
 
 
-def bandit_tasks(n: int, arms: int = 4, prefix: str = "t") -> list[Task]:
-    """`n` tasks whose targets cycle through the arms."""
-    return [Task(id=f"{prefix}{i}", data={"target": i % arms}) for i in range(n)]
+def bandit_tasks(n: int, arms: int = 4, prefix: str = "t", target: int | None = None) -> list[Task]:
+    """`n` tasks whose targets cycle through the arms, or all hit `target` (learnable)."""
+    return [
+        Task(id=f"{prefix}{i}", data={"target": i % arms if target is None else target})
+        for i in range(n)
+    ]

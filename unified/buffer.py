@@ -40,6 +40,7 @@ class EndedGroup:
     outcome: Outcome
     policy_version: int
     reason: str = ""
+    rewards: tuple[float, ...] = ()
 
 
 class TrajectoryGroupBuffer:
@@ -63,6 +64,7 @@ class TrajectoryGroupBuffer:
         self._ready: dict[GroupTicket, TrajectoryGroup] = {}
         self._ended: list[EndedGroup] = []
         self.unproductive_in_a_row = 0
+        self.last_unproductive_reason = ""
 
     def open(self, ticket: GroupTicket) -> None:
         """Register a dispatched group before its episodes start."""
@@ -103,16 +105,14 @@ class TrajectoryGroupBuffer:
     def _end(self, ticket: GroupTicket, episodes: list[Episode]) -> None:
         usable = [e for e in episodes if e.status == "ok"]
         oldest = min([ticket.version, *(e.oldest_version for e in usable)])
-        for e in usable:
-            self._metrics.record("reward/mean", e.reward)
-            self._metrics.record("reward/std", e.reward)
+        rewards = [e.reward for e in usable]
         if len(usable) < min(2, self.group_size):
             reason = f"{len(episodes) - len(usable)} of {len(episodes)} episodes failed"
-            self._resolve(EndedGroup(ticket, "failed", oldest, reason))
+            self._resolve(EndedGroup(ticket, "failed", oldest, reason, tuple(rewards)))
             return
-        rewards = [e.reward for e in usable]
         if self.filter_groups and len(usable) > 1 and max(rewards) == min(rewards):
-            self._resolve(EndedGroup(ticket, "filtered", oldest, f"all rewards {rewards[0]:g}"))
+            reason = f"all rewards {rewards[0]:g}"
+            self._resolve(EndedGroup(ticket, "filtered", oldest, reason, tuple(rewards)))
             return
         self.unproductive_in_a_row = 0
         self._ready[ticket] = TrajectoryGroup(
@@ -126,6 +126,7 @@ class TrajectoryGroupBuffer:
 
     def _resolve(self, ended: EndedGroup) -> None:
         self.unproductive_in_a_row += 1
+        self.last_unproductive_reason = f"{ended.outcome}: {ended.reason}"
         self._metrics.record(f"groups/{ended.outcome}", 1.0)
         self._ended.append(ended)
         self._coordinator.resolve(ended.ticket.version)

@@ -58,8 +58,12 @@ class RunDirectory:
         self.checkpoints = path / "checkpoints"
         self.ledger_path = path / "ledger.jsonl"
 
-    def create(self, config_yaml: str, *, resume: bool) -> None:
-        """Make the directory and write `config.yaml`; refuse to overwrite an unrelated run."""
+    def create(self, config_yaml: str, *, resume: bool) -> Path | None:
+        """Make the directory and write `config.yaml`; refuse to overwrite an unrelated run.
+
+        With `resume`, return the newest complete checkpoint (None if there is none) after
+        dropping the ledger and metrics lines of steps it does not hold: that work is redone.
+        """
         if self.path.exists() and any(self.path.iterdir()) and not resume:
             raise UsageError(
                 f"run directory {str(self.path)!r} already holds a run; set resume=true to "
@@ -67,6 +71,12 @@ class RunDirectory:
             )
         self.path.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.path / "config.yaml", config_yaml)
+        checkpoint = self.latest_checkpoint() if resume else None
+        if resume:
+            step = self.load_state(checkpoint).step if checkpoint else 0
+            self._truncate_ledger(step)
+            self._truncate_metrics(step)
+        return checkpoint
 
     def append_ledger(self, entries: Iterable[LedgerEntry]) -> None:
         """Append ledger lines (blocking: call from a thread)."""
@@ -112,12 +122,12 @@ class RunDirectory:
         """Read the trainer state of a checkpoint directory."""
         return TrainerState.model_validate_json((checkpoint / _STATE_FILE).read_text())
 
-    def truncate_ledger(self, after_step: int) -> None:
+    def _truncate_ledger(self, after_step: int) -> None:
         """Drop ledger lines of steps after `after_step` (work lost with a crash; redone now)."""
         kept = [e for e in self.read_ledger() if e.step <= after_step]
         _write_atomic(self.ledger_path, "".join(e.model_dump_json() + "\n" for e in kept))
 
-    def truncate_metrics(self, after_step: int) -> None:
+    def _truncate_metrics(self, after_step: int) -> None:
         """Drop metrics lines of steps after `after_step`."""
         path = self.path / "metrics.jsonl"
         if path.exists():

@@ -257,3 +257,42 @@ def _fields_at(loc: Sequence[int | str]) -> list[str]:
             return []
         model = ann
     return [f.alias or n for n, f in model.model_fields.items()]
+
+
+def reference_markdown() -> str:
+    """The configuration reference (docs/configuration.md), generated from the schema."""
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated from the schema in `unified/config.py`; do not edit by hand. Regenerate with",
+        "`python -c 'import unified.config as c; print(c.reference_markdown(), end=\"\")'`.",
+        "Every key has a default except `workflow`. Override any key on the command line:",
+        "`unified train run.yaml trainer.batch_size=16 async.max_staleness=2`.",
+        "",
+    ]
+
+    def table(model: type[BaseModel], prefix: str) -> None:
+        nested: list[tuple[str, type[BaseModel]]] = []
+        out.extend(["| key | type | default | meaning |", "|---|---|---|---|"])
+        for name, field in model.model_fields.items():
+            key = f"{prefix}{field.alias or name}"
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                nested.append((key, ann))
+                continue
+            plain = isinstance(ann, type) and not getattr(ann, "__args__", None)
+            kind = ann.__name__ if plain else str(ann).replace("typing.", "")  # type: ignore[union-attr]
+            kind = kind.replace("|", "\\|")
+            default = (
+                "required"
+                if field.is_required()
+                else repr(field.get_default(call_default_factory=True))
+            )
+            text = (field.description or "").replace("|", "\\|")
+            out.append(f"| `{key}` | `{kind}` | `{default}` | {text} |")
+        for key, sub in nested:
+            out.extend(["", f"## `{key}`", "", (sub.__doc__ or "").strip(), ""])
+            table(sub, f"{key}.")
+
+    table(TrainerConfig, "")
+    return "\n".join(out) + "\n"

@@ -56,8 +56,8 @@ class SyncCoordinator:
         self._workflow_slots = asyncio.Semaphore(max_concurrency)
         self._throttler: Throttler | None = None
         if dispatch_rate is not None:
-            burst = max(1, round(dispatch_rate))
-            self._throttler = Throttler(rate_limit=burst, period=burst / dispatch_rate)
+            # Evenly spaced starts, no bursts: what remote APIs' rate limits expect.
+            self._throttler = Throttler(rate_limit=1, period=1.0 / dispatch_rate)
         self._idle_since: float | None = time.monotonic()
         self._idle_s = 0.0
 

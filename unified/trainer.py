@@ -95,12 +95,12 @@ class UnifiedTrainer:
         """Train to `trainer.total_steps` on the running event loop."""
         loop: _Loop | None = None
         try:
-            await asyncio.to_thread(
+            checkpoint = await asyncio.to_thread(
                 self.run.create, self.config.to_yaml(), resume=self.config.resume
             )
             loop = _Loop(self)
             await self.backend.setup(self.config)
-            await loop.start()
+            await loop.start(checkpoint)
             await (loop.run_sync() if self.config.mode == "sync" else loop.run_async())
         except BaseExceptionGroup as group:
             raise _first_cause(group) from None
@@ -170,9 +170,8 @@ class _Loop:
 
     # -- set-up and resume ----------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Resume from the newest checkpoint if asked, then evaluate before training."""
-        checkpoint = self.run.latest_checkpoint() if self.config.resume else None
+    async def start(self, checkpoint: Path | None) -> None:
+        """Restore `checkpoint` if given, then evaluate before training."""
         if checkpoint is not None:
             state = RunDirectory.load_state(checkpoint)
             await self.backend.load_checkpoint(checkpoint / "backend")
@@ -182,8 +181,6 @@ class _Loop:
             self.redispatch = [by_id[i] for i in state.redispatch if i in by_id]
             self.coordinator.synced(state.version)
             await self.backend.on_policy_updated(state.version)
-            await asyncio.to_thread(self.run.truncate_ledger, state.step)
-            await asyncio.to_thread(self.run.truncate_metrics, state.step)
         if self.step == 0 and self.t.eval_before_train and self.trainer.eval_tasks:
             await self._log(await self._evaluate())
         self._set_wanted(0)
@@ -299,9 +296,9 @@ class _Loop:
         if self.buffer.unproductive_in_a_row >= self.t.max_filtered_in_a_row:
             raise TrainingStopped(
                 f"the last {self.buffer.unproductive_in_a_row} groups all ended filtered (equal "
-                f"rewards) or failed, after {self.step} trained steps: the reward gives no "
-                "learning signal for this policy; check the workflow's reward, or set "
-                "trainer.filter_groups=false"
+                f"rewards) or failed (last one {self.buffer.last_unproductive_reason}), after "
+                f"{self.step} trained steps: the rewards give no learning signal for this policy; "
+                "check the workflow's reward, or set trainer.filter_groups=false"
             )
 
     def _count_episode(self, episode: Episode, error: BaseException | None) -> None:
@@ -340,8 +337,9 @@ class _Loop:
         self.metrics.record_many(await self.backend.optim_step())
         train_s = forward_s + time.monotonic() - train_started
         self.step += 1
-        for ticket, _ in items:
+        for ticket, group in items:
             self.alive_tasks.pop(ticket.group_id, None)
+            self._record_rewards(e.reward for e in group.episodes)
         await asyncio.to_thread(
             self.run.append_ledger,
             [
@@ -367,6 +365,10 @@ class _Loop:
         self.metrics.record_many(
             {
                 "groups/trained": float(len(items)),
+                # Counters appear every step, zero or not, so curves have no gaps.
+                "groups/filtered": 0.0,
+                "episodes/errors": 0.0,
+                "episodes/timeouts": 0.0,
                 "staleness/mean": sum(staleness) / len(staleness),
                 "staleness/max": float(max(staleness)),
                 "optim/lr": learning_rate(self.config, self.step - 1),
@@ -414,7 +416,14 @@ class _Loop:
                 self.coordinator.resume()
         return time.monotonic() - started
 
+    def _record_rewards(self, rewards: Iterable[float]) -> None:
+        """Rewards of groups that ended this step (trained or not): `reward/mean`, `/std`."""
+        for reward in rewards:
+            self.metrics.record("reward/mean", reward)
+            self.metrics.record("reward/std", reward)
+
     async def _write_ended(self) -> None:
+        ended_groups = self.buffer.pop_ended()
         entries = [
             LedgerEntry(
                 group_id=e.ticket.group_id,
@@ -425,10 +434,12 @@ class _Loop:
                 trainer_version=self.coordinator.version,
                 reason=e.reason,
             )
-            for e in self.buffer.pop_ended()
+            for e in ended_groups
         ]
         for entry in entries:
             self.alive_tasks.pop(entry.group_id, None)
+        for ended in ended_groups:
+            self._record_rewards(ended.rewards)
         await asyncio.to_thread(self.run.append_ledger, entries)
 
     async def _log(self, metrics: dict[str, float]) -> None:

@@ -1,0 +1,100 @@
+"""The `unified` command: bad input is one clear line and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from unified.cli import main
+
+DEMO = Path(__file__).with_name("demo.yaml")
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> list[str]:
+    """The demo config with its run directory under tmp_path and the console quiet."""
+    return [str(DEMO), f"logging.run_dir={tmp_path / 'runs'}", "logging.console=false"]
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("trainer.bach_size=3", "unknown config key 'trainer.bach_size'; valid keys here: "),
+        ("trainer.batch_size=lots", "config key 'trainer.batch_size'"),
+        ("async.max_staleness=-1", "greater than or equal to 0"),
+        ("workflow=tests.bandit:NoSuchWorkflow", "has no attribute 'NoSuchWorkflow'"),
+        ("workflow=no_such_module:Flow", "cannot import module 'no_such_module'"),
+        ("async.partial_rollout=true", "async.partial_rollout=True is not supported by backend"),
+        ("trainer.loss=nope", "config key 'trainer.loss'"),
+        ("backend=quantum", "unknown backend 'quantum'"),
+        ("data.train.n=0", "data.train is empty"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(
+    capsys: pytest.CaptureFixture[str], demo: list[str], override: str, expected: str
+) -> None:
+    code, _, err = run(capsys, "train", *demo, override)
+    assert code == 2, err
+    assert expected in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_unknown_key_error_lists_the_valid_keys(
+    capsys: pytest.CaptureFixture[str], demo: list[str]
+) -> None:
+    _, _, err = run(capsys, "train", *demo, "trainer.bach_size=3")
+    assert "batch_size" in err and "group_size" in err
+
+
+def test_empty_dataset_file_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], demo: list[str], tmp_path: Path
+) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    code, _, err = run(capsys, "train", *demo, f"data.train={empty}")
+    assert code == 2 and "empty" in err, err
+
+
+def test_dry_run_prints_the_resolved_config_and_the_checks(
+    capsys: pytest.CaptureFixture[str], demo: list[str], tmp_path: Path
+) -> None:
+    code, out, _ = run(capsys, "train", *demo, "--dry-run", "trainer.batch_size=16")
+    assert code == 0
+    resolved = yaml.safe_load(out)
+    assert resolved["trainer"]["batch_size"] == 16
+    assert resolved["async"]["max_staleness"] == 1, "the async section keeps its public name"
+    assert "checks passed" in out
+    assert not (tmp_path / "runs").exists(), "a dry run writes nothing"
+
+
+def test_train_writes_config_metrics_and_ledger(
+    capsys: pytest.CaptureFixture[str], demo: list[str], tmp_path: Path
+) -> None:
+    code, out, _ = run(capsys, "train", *demo, "trainer.total_steps=4")
+    assert code == 0 and "trained 4 steps" in out
+    run_dir = tmp_path / "runs" / "bandit-demo"
+    for name in ("config.yaml", "metrics.jsonl", "ledger.jsonl"):
+        assert (run_dir / name).is_file(), name
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["total_steps"] == 4
+
+
+def test_console_script_exits_2_on_a_bad_key(tmp_path: Path) -> None:
+    script = Path(sys.executable).with_name("unified")
+    proc = subprocess.run(
+        [str(script), "train", str(DEMO), "nope.key=1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=DEMO.parent.parent,
+    )
+    assert proc.returncode == 2 and "unknown config key 'nope'" in proc.stderr, proc.stderr

@@ -1,0 +1,321 @@
+"""The guarantees of the sync and async loops, checked on the bandit test backend."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.bandit import BanditBackend, bandit_tasks, heavy_tailed_latency
+from tests.conftest import ConfigFactory
+from unified import UnifiedTrainer
+from unified.checkpoint import LedgerEntry, RunDirectory
+from unified.metrics import METRIC_NAMES
+from unified.protocol import BackendCapabilities, RolloutEngine
+from unified.trainer import TrainingStopped
+from unified.types import Step, Task, Trajectory
+
+
+def fit(config: dict[str, Any], backend: BanditBackend, workflow: Any = None, **kw: Any) -> Any:
+    kw.setdefault("train_tasks", bandit_tasks(24))
+    return UnifiedTrainer(config, workflow=workflow, backend=backend, **kw).fit()
+
+
+def ledger(run_dir: Path) -> list[LedgerEntry]:
+    return RunDirectory(run_dir).read_ledger()
+
+
+def metrics_lines(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def trained(entries: list[LedgerEntry]) -> list[tuple[str, int]]:
+    return [(e.group_id, e.step) for e in entries if e.outcome == "trained"]
+
+
+def seqs(entries: list[LedgerEntry]) -> list[int]:
+    return [int(re.match(r"g(\d+)-", e.group_id).group(1)) for e in entries]  # type: ignore[union-attr]
+
+
+PARTIAL = BackendCapabilities(partial_rollout=True)
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    staleness=st.integers(0, 3),
+    sync_every=st.integers(1, 3),
+    batch_size=st.integers(1, 3),
+    group_size=st.integers(2, 3),
+    partial=st.booleans(),
+    seed=st.integers(0, 10_000),
+    micro=st.sampled_from([None, 1]),
+)
+def test_async_never_trains_a_group_staler_than_max_staleness(
+    make_config: ConfigFactory,
+    tmp_path: Path,
+    staleness: int,
+    sync_every: int,
+    batch_size: int,
+    group_size: int,
+    partial: bool,
+    seed: int,
+    micro: int | None,
+) -> None:
+    name = f"s{staleness}k{sync_every}b{batch_size}g{group_size}p{partial}x{seed}m{micro}"
+    config = make_config(
+        name=name,
+        mode="async",
+        trainer={
+            "total_steps": 6,
+            "batch_size": batch_size,
+            "group_size": group_size,
+            "seed": seed,
+            "micro_batch_size": micro,
+        },
+        async_={"max_staleness": staleness, "sync_every": sync_every, "partial_rollout": partial},
+    )
+    backend = BanditBackend(latency=heavy_tailed_latency(), capabilities=PARTIAL)
+    result = fit(config, backend)
+    entries = ledger(result.run_dir)
+    done = [e for e in entries if e.outcome == "trained"]
+    assert len(done) == 6 * batch_size, "every step trains batch_size groups"
+    for e in done:
+        lag = e.trainer_version - e.policy_version
+        assert 0 <= lag <= staleness, f"{e.group_id} trained {lag} versions stale (s={staleness})"
+    assert sorted(seqs(entries)) == list(range(len(entries))), "each group ends exactly once"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_async_with_zero_staleness_trains_exactly_what_sync_trains(
+    make_config: ConfigFactory, seed: int
+) -> None:
+    runs = {}
+    for mode in ("sync", "async"):
+        config = make_config(
+            name=mode,
+            mode=mode,
+            trainer={"total_steps": 6, "batch_size": 3, "group_size": 3, "seed": seed},
+            async_={"max_staleness": 0, "sync_every": 1},
+        )
+        backend = BanditBackend(latency=heavy_tailed_latency())
+        result = fit(config, backend)
+        runs[mode] = (ledger(result.run_dir), backend)
+    (sync_ledger, sync_backend), (async_ledger, async_backend) = runs["sync"], runs["async"]
+    assert trained(async_ledger) == trained(sync_ledger), "same groups, same steps, same order"
+    assert sorted(e.model_dump_json() for e in async_ledger) == sorted(
+        e.model_dump_json() for e in sync_ledger
+    ), "same filtered groups too"
+    assert async_backend.events == sync_backend.events, "same calls in the same order"
+    assert async_backend.train_logits == sync_backend.train_logits, "same final weights"
+
+
+def test_all_filtered_groups_end_the_run_with_a_clear_message(make_config: ConfigFactory) -> None:
+    async def never_rewarded(task: Task, model: RolloutEngine) -> Trajectory:
+        out = await model.chat([{"role": "user", "content": "x"}])
+        return Trajectory(steps=[Step(output=out)], reward=0.0)
+
+    for mode in ("sync", "async"):
+        config = make_config(name=mode, mode=mode, trainer={"max_filtered_in_a_row": 12})
+        backend = BanditBackend()
+        with pytest.raises(TrainingStopped, match="filtered"):
+            fit(config, backend, workflow=never_rewarded)
+        assert not [e for e in backend.events if e[0] == "optim_step"], "zero trained steps"
+        assert backend.shutdown_called
+
+
+def test_every_dispatched_group_ends_once_with_filtering_and_errors(
+    make_config: ConfigFactory,
+) -> None:
+    async def flaky(task: Task, model: RolloutEngine) -> Trajectory:
+        out = await model.chat([{"role": "user", "content": task.id}])
+        if task.data["target"] == 3 and out.text == "0":
+            raise RuntimeError("tool crashed")
+        reward = float(out.text == str(task.data["target"]))
+        return Trajectory(steps=[Step(output=out, reward=reward)], reward=reward)
+
+    config = make_config(
+        mode="async",
+        trainer={"total_steps": 8, "max_error_rate": 0.5, "group_size": 2},
+        async_={"max_staleness": 2},
+    )
+    result = fit(config, BanditBackend(latency=heavy_tailed_latency()), workflow=flaky)
+    entries = ledger(result.run_dir)
+    outcomes = {e.outcome for e in entries}
+    assert {"trained", "filtered", "failed"} <= outcomes, f"exercise all outcomes: {outcomes}"
+    assert sorted(seqs(entries)) == list(range(len(entries))), "each group ends exactly once"
+    lines = metrics_lines(result.run_dir)
+    assert sum(m.get("episodes/errors", 0) for m in lines) > 0, "errors are counted"
+
+
+def test_error_rate_above_the_limit_reraises_the_original_exception(
+    make_config: ConfigFactory,
+) -> None:
+    class Boom(Exception):
+        pass
+
+    async def broken(task: Task, model: RolloutEngine) -> Trajectory:
+        raise Boom("the environment is down")
+
+    for mode in ("sync", "async"):
+        backend = BanditBackend()
+        with pytest.raises(Boom, match="the environment is down") as info:
+            fit(make_config(name=mode, mode=mode), backend, workflow=broken)
+        assert any("max_error_rate" in note for note in info.value.__notes__)
+        assert backend.shutdown_called
+
+
+def test_workflow_past_timeout_is_counted_as_a_timeout(make_config: ConfigFactory) -> None:
+    async def stuck_on_one_task(task: Task, model: RolloutEngine) -> Trajectory:
+        out = await model.chat([{"role": "user", "content": task.id}])
+        if task.id == "t5":
+            await asyncio.Event().wait()
+        reward = float(out.text == str(task.data["target"]))
+        return Trajectory(steps=[Step(output=out, reward=reward)], reward=reward)
+
+    config = make_config(
+        mode="async", trainer={"workflow_timeout": 0.2, "max_error_rate": 0.5, "total_steps": 6}
+    )
+    tasks = bandit_tasks(6)
+    result = fit(config, BanditBackend(), workflow=stuck_on_one_task, train_tasks=tasks)
+    lines = metrics_lines(result.run_dir)
+    assert sum(m.get("episodes/timeouts", 0) for m in lines) > 0
+    failed = [e for e in ledger(result.run_dir) if e.outcome == "failed"]
+    assert failed and all(e.task_id == "t5" for e in failed), "only the stuck task fails"
+
+
+@pytest.mark.parametrize("sync_every", [1, 3])
+def test_no_partial_rollout_drains_before_every_sync(
+    make_config: ConfigFactory, sync_every: int
+) -> None:
+    config = make_config(
+        mode="async",
+        trainer={"total_steps": 6},
+        async_={"max_staleness": 2, "sync_every": sync_every, "partial_rollout": False},
+    )
+    backend = BanditBackend(latency=heavy_tailed_latency())
+    fit(config, backend)
+    syncs = [e for e in backend.events if e[0] == "on_policy_updated"]
+    assert len(syncs) == 6 // sync_every
+    for _, version, workflows, requests in syncs:
+        assert workflows == 0 and requests == 0, f"sync to v{version} happened mid-rollout"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("sync_every", [1, 2, 3])
+def test_weights_sync_exactly_every_k_optimizer_steps(
+    make_config: ConfigFactory, mode: str, sync_every: int
+) -> None:
+    config = make_config(mode=mode, trainer={"total_steps": 6}, async_={"sync_every": sync_every})
+    backend = BanditBackend()
+    fit(config, backend)
+    kinds = [e[0] for e in backend.events if e[0] != "forward_backward"]
+    expected = (["optim_step"] * sync_every + ["on_policy_updated"]) * (6 // sync_every)
+    assert kinds == expected
+    versions = [e[1] for e in backend.events if e[0] == "on_policy_updated"]
+    assert versions == list(range(1, 6 // sync_every + 1))
+
+
+def test_eval_during_async_run_does_not_change_training_sampling(
+    make_config: ConfigFactory,
+) -> None:
+    config = make_config(
+        mode="async",
+        trainer={"total_steps": 6, "eval_every": 2, "eval_before_train": True},
+        sampling={
+            "train": {"temperature": 1.0, "max_tokens": 64},
+            "eval": {"temperature": 0.0, "max_tokens": 7},
+        },
+    )
+    backend = BanditBackend(latency=heavy_tailed_latency())
+    fit(config, backend, eval_tasks=bandit_tasks(5, prefix="e"))
+    kinds = [(r["temperature"], r["max_tokens"]) for r in backend.requests]
+    assert set(kinds) == {(1.0, 64), (0.0, 7)}, f"only train or eval settings: {set(kinds)}"
+    assert kinds.count((0.0, 7)) == 5 * 4, "eval before training and at steps 2, 4, 6"
+    first_eval_end = max(i for i, k in enumerate(kinds[:40]) if k == (0.0, 7))
+    assert (1.0, 64) in kinds[first_eval_end:], "training requests follow an evaluation"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_fit_leaves_no_task_running_and_shuts_the_backend_down(
+    make_config: ConfigFactory, mode: str
+) -> None:
+    backend = BanditBackend(latency=heavy_tailed_latency())
+    config = make_config(mode=mode, async_={"max_staleness": 3})
+    trainer = UnifiedTrainer(config, backend=backend, train_tasks=bandit_tasks(24))
+    async with asyncio.timeout(60):
+        await trainer.fit_async()
+    assert asyncio.all_tasks() == {asyncio.current_task()}, "no task outlives fit"
+    assert backend.shutdown_called
+
+
+async def test_fit_that_raises_leaves_no_task_running(make_config: ConfigFactory) -> None:
+    async def broken(task: Task, model: RolloutEngine) -> Trajectory:
+        await model.chat([{"role": "user", "content": "x"}])
+        raise ValueError("bad reward")
+
+    backend = BanditBackend(latency=heavy_tailed_latency())
+    trainer = UnifiedTrainer(
+        make_config(mode="async"), workflow=broken, backend=backend, train_tasks=bandit_tasks(8)
+    )
+    with pytest.raises(ValueError, match="bad reward"):
+        async with asyncio.timeout(60):
+            await trainer.fit_async()
+    assert asyncio.all_tasks() == {asyncio.current_task()}, "no task outlives a failed fit"
+    assert backend.shutdown_called
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_learning_rate_schedule_counts_optimizer_steps(
+    make_config: ConfigFactory, batch_size: int
+) -> None:
+    config = make_config(
+        mode="async",
+        trainer={
+            "total_steps": 5,
+            "batch_size": batch_size,
+            "lr": 1.0,
+            "lr_schedule": "linear",
+            "warmup_steps": 1,
+        },
+    )
+    backend = BanditBackend()
+    fit(config, backend)
+    lrs = [e[1] for e in backend.events if e[0] == "optim_step"]
+    assert lrs == pytest.approx([1.0, 1.0, 0.75, 0.5, 0.25]), "one value per optimizer step"
+
+
+def test_metrics_jsonl_uses_the_contract_names(make_config: ConfigFactory) -> None:
+    config = make_config(mode="async", trainer={"eval_every": 2, "total_steps": 4})
+    result = fit(config, BanditBackend(), eval_tasks=bandit_tasks(3, prefix="e"))
+    lines = metrics_lines(result.run_dir)
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    for m in lines:
+        missing = set(METRIC_NAMES) - set(m) - {"eval/accuracy"}
+        assert not missing, f"step {m['step']} lacks {sorted(missing)}"
+    assert all("eval/accuracy" in m for m in lines if m["step"] % 2 == 0)
+
+
+def test_checkpoint_resume_continues_without_training_a_task_twice(
+    make_config: ConfigFactory,
+) -> None:
+    full = make_config(name="full", trainer={"total_steps": 6, "save_every": 0})
+    full_run = fit(full, BanditBackend())
+    first = make_config(name="resumed", trainer={"total_steps": 3, "save_every": 3})
+    fit(first, BanditBackend())
+    second = make_config(name="resumed", resume=True, trainer={"total_steps": 6, "save_every": 3})
+    backend = BanditBackend()
+    result = fit(second, backend)
+    assert result.steps == 6
+    assert trained(ledger(result.run_dir)) == trained(ledger(full_run.run_dir))
+    steps = [m["step"] for m in metrics_lines(result.run_dir)]
+    assert steps == [1, 2, 3, 4, 5, 6], "the step counter continues"

@@ -17,7 +17,7 @@ from unified.coordinator import SyncCoordinator
 from unified.metrics import MetricsAggregator
 from unified.types import Episode, TrajectoryGroup
 
-__all__ = ["EndedGroup", "GroupTicket", "TrajectoryGroupBuffer"]
+__all__ = ["EndedGroup", "GroupTicket", "Outcome", "TrajectoryGroupBuffer"]
 
 Outcome = Literal["trained", "filtered", "failed"]
 

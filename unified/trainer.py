@@ -11,7 +11,6 @@ none is still running and the backend has been shut down.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -19,18 +18,20 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from unified.buffer import GroupTicket, TrajectoryGroupBuffer
+from unified.buffer import GroupTicket, Outcome, TrajectoryGroupBuffer
 from unified.checkpoint import LedgerEntry, RunDirectory, TrainerState
 from unified.config import TrainerConfig, load_config
 from unified.coordinator import SyncCoordinator
 from unified.data import TaskSampler, load_tasks
 from unified.errors import UnifiedError
+from unified.evaluation import evaluate
 from unified.metrics import MetricsAggregator, build_sinks
 from unified.protocol import BackendProtocol, check_capabilities, create_backend
 from unified.rollout import SamplingEngine, WorkflowFn, resolve_workflow, run_episode
+from unified.schedule import learning_rate
 from unified.types import Episode, Task, TrajectoryGroup
 
-__all__ = ["TrainResult", "TrainingStopped", "UnifiedTrainer", "learning_rate"]
+__all__ = ["TrainResult", "TrainingStopped", "UnifiedTrainer"]
 
 Item = tuple[GroupTicket, TrajectoryGroup]
 
@@ -45,20 +46,6 @@ class TrainResult(BaseModel):
     steps: int
     metrics: dict[str, float]
     run_dir: Path
-
-
-def learning_rate(config: TrainerConfig, step: int) -> float:
-    """The learning rate of optimizer step `step` (0-based): warm-up, then the schedule."""
-    t = config.trainer
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, t.total_steps - t.warmup_steps)
-    progress = (step - t.warmup_steps) / span
-    if t.lr_schedule == "linear":
-        return t.lr * (1.0 - progress)
-    if t.lr_schedule == "cosine":
-        return t.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return t.lr
 
 
 class UnifiedTrainer:
@@ -123,6 +110,26 @@ def _first_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return group
 
 
+def _entry(
+    ticket: GroupTicket,
+    outcome: Outcome,
+    step: int,
+    policy_version: int,
+    trainer_version: int,
+    reason: str = "",
+) -> LedgerEntry:
+    """The ledger line of a group that ended in (1-based) optimizer step `step`."""
+    return LedgerEntry(
+        group_id=ticket.group_id,
+        task_id=ticket.task_id,
+        outcome=outcome,
+        step=step,
+        policy_version=policy_version,
+        trainer_version=trainer_version,
+        reason=reason,
+    )
+
+
 class _Loop:
     """The state of one `fit` call: coordinator, buffer, sampler, counters and both loops."""
 
@@ -166,7 +173,6 @@ class _Loop:
         self.tokens = 0
         self.last_metrics: dict[str, float] = {}
         self._step_started = time.monotonic()
-        self._eval_slots = asyncio.Semaphore(self.a.max_concurrency)
 
     # -- set-up and resume ----------------------------------------------------------------
 
@@ -333,27 +339,15 @@ class _Loop:
         items.sort(key=lambda item: item[0])
         version = self.coordinator.version
         train_started = time.monotonic()
-        self.backend.set_learning_rate(learning_rate(self.config, self.step))
+        self.backend.set_learning_rate(learning_rate(self.t, self.step))
         self.metrics.record_many(await self.backend.optim_step())
         train_s = forward_s + time.monotonic() - train_started
         self.step += 1
         for ticket, group in items:
             self.alive_tasks.pop(ticket.group_id, None)
             self._record_rewards(e.reward for e in group.episodes)
-        await asyncio.to_thread(
-            self.run.append_ledger,
-            [
-                LedgerEntry(
-                    group_id=t.group_id,
-                    task_id=t.task_id,
-                    outcome="trained",
-                    step=self.step,
-                    policy_version=g.policy_version,
-                    trainer_version=version,
-                )
-                for t, g in items
-            ],
-        )
+        trained = [_entry(t, "trained", self.step, g.policy_version, version) for t, g in items]
+        await asyncio.to_thread(self.run.append_ledger, trained)
         sync_s = 0.0
         if self.step % self.a.sync_every == 0:
             sync_s = await self._sync_weights()
@@ -371,7 +365,7 @@ class _Loop:
                 "episodes/timeouts": 0.0,
                 "staleness/mean": sum(staleness) / len(staleness),
                 "staleness/max": float(max(staleness)),
-                "optim/lr": learning_rate(self.config, self.step - 1),
+                "optim/lr": learning_rate(self.t, self.step - 1),
             }
         )
         timing = {
@@ -424,16 +418,9 @@ class _Loop:
 
     async def _write_ended(self) -> None:
         ended_groups = self.buffer.pop_ended()
+        version = self.coordinator.version
         entries = [
-            LedgerEntry(
-                group_id=e.ticket.group_id,
-                task_id=e.ticket.task_id,
-                outcome=e.outcome,
-                step=self.step + 1,
-                policy_version=e.policy_version,
-                trainer_version=self.coordinator.version,
-                reason=e.reason,
-            )
+            _entry(e.ticket, e.outcome, self.step + 1, e.policy_version, version, e.reason)
             for e in ended_groups
         ]
         for entry in entries:
@@ -441,6 +428,18 @@ class _Loop:
         for ended in ended_groups:
             self._record_rewards(ended.rewards)
         await asyncio.to_thread(self.run.append_ledger, entries)
+
+    async def _evaluate(self) -> dict[str, float]:
+        return await evaluate(
+            self.trainer.workflow,
+            self.backend.rollout_engine(),
+            self.trainer.eval_tasks,
+            self.config.sampling.eval,
+            seed=self.t.seed,
+            version=self.coordinator.version,
+            timeout_s=self.t.workflow_timeout,
+            max_concurrency=self.a.max_concurrency,
+        )
 
     async def _log(self, metrics: dict[str, float]) -> None:
         self.last_metrics = metrics
@@ -456,46 +455,3 @@ class _Loop:
             + [task.id for task in self.redispatch],
         )
         await self.run.save_checkpoint(state, self.backend.save_checkpoint)
-
-    # -- evaluation ---------------------------------------------------------------------------
-
-    async def _evaluate(self) -> dict[str, float]:
-        """Run every eval task once with eval sampling; training requests are unaffected."""
-        started = time.monotonic()
-        results: list[Episode] = []
-
-        async def one(index: int, task: Task) -> None:
-            async with self._eval_slots:
-                engine = SamplingEngine(
-                    self.backend.rollout_engine(), self.config.sampling.eval, self.t.seed + index
-                )
-                episode, _ = await run_episode(
-                    self.trainer.workflow,
-                    task,
-                    engine,
-                    rollout_index=0,
-                    version=self.coordinator.version,
-                    timeout_s=self.t.workflow_timeout,
-                )
-            results.append(episode)
-
-        async with asyncio.TaskGroup() as tg:
-            for index, task in enumerate(self.trainer.eval_tasks):
-                tg.create_task(one(index, task))
-        correct = [_is_correct(e) for e in results]
-        rewards = [e.reward for e in results if e.status == "ok"]
-        return {
-            "eval/accuracy": sum(correct) / len(correct),
-            "eval/reward": sum(rewards) / len(rewards) if rewards else 0.0,
-            "time/eval": time.monotonic() - started,
-        }
-
-
-def _is_correct(episode: Episode) -> bool:
-    """An episode is correct if its last step says so (`info["correct"]`), else if reward > 0."""
-    if episode.status != "ok" or not episode.trajectories:
-        return False
-    steps = episode.trajectories[-1].steps
-    if steps and "correct" in steps[-1].info:
-        return bool(steps[-1].info["correct"])
-    return episode.reward > 0

@@ -1,0 +1,63 @@
+"""Evaluation: run each eval task once with the eval sampling settings and score the episodes.
+
+Evaluation shares the backend's rollout engine with training but never its settings: every eval
+request carries `sampling.eval`, so an evaluation in the middle of an async run leaves the
+training requests around it untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from unified.protocol import RolloutEngine
+from unified.rollout import SamplingEngine, WorkflowFn, run_episode
+from unified.types import Episode, SamplingParams, Task
+
+__all__ = ["evaluate", "is_correct"]
+
+
+def is_correct(episode: Episode) -> bool:
+    """Correct if the last step says so (`info["correct"]`), else if the reward is positive."""
+    if episode.status != "ok" or not episode.trajectories:
+        return False
+    steps = episode.trajectories[-1].steps
+    if steps and "correct" in steps[-1].info:
+        return bool(steps[-1].info["correct"])
+    return episode.reward > 0
+
+
+async def evaluate(
+    workflow: WorkflowFn,
+    engine: RolloutEngine,
+    tasks: Sequence[Task],
+    sampling: SamplingParams,
+    *,
+    seed: int,
+    version: int,
+    timeout_s: float,
+    max_concurrency: int,
+) -> dict[str, float]:
+    """`eval/accuracy`, `eval/reward` and `time/eval` over one episode per task."""
+    started = time.monotonic()
+    slots = asyncio.Semaphore(max_concurrency)
+    episodes: list[Episode] = []
+
+    async def one(index: int, task: Task) -> None:
+        async with slots:
+            view = SamplingEngine(engine, sampling, seed + index)
+            episode, _ = await run_episode(
+                workflow, task, view, rollout_index=0, version=version, timeout_s=timeout_s
+            )
+        episodes.append(episode)
+
+    async with asyncio.TaskGroup() as tg:
+        for index, task in enumerate(tasks):
+            tg.create_task(one(index, task))
+    rewards = [e.reward for e in episodes if e.status == "ok"]
+    return {
+        "eval/accuracy": sum(map(is_correct, episodes)) / max(1, len(episodes)),
+        "eval/reward": sum(rewards) / len(rewards) if rewards else 0.0,
+        "time/eval": time.monotonic() - started,
+    }

@@ -22,8 +22,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.bandit import BanditBackend, bandit_tasks  # noqa: E402
-from unified import TrajectoryGroup, UnifiedTrainer  # noqa: E402
+from tests.bandit import BanditBackend, bandit_tasks
+from unified import TrajectoryGroup, UnifiedTrainer
 
 
 class SimulatedBackend(BanditBackend):

@@ -63,6 +63,12 @@ class RolloutEngine(ABC):
     async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
         """Sample a continuation of raw token ids."""
 
+    def encode_chat(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of `messages` under the chat template (what `chat` sends to the model)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its chat template")
+
 
 class BackendCapabilities(BaseModel):
     """What a backend can honour; a config knob outside it is an error at start-up."""
@@ -130,6 +136,10 @@ class BackendProtocol(ABC):
 
     def set_learning_rate(self, lr: float) -> None:  # noqa: B027 - optional hook
         """Use `lr` for the next `optim_step`; the trainer calls it with the scheduled value."""
+
+    async def export_model(self, directory: Path) -> None:
+        """Write the trained policy where users can load it (e.g. a Hugging Face directory)."""
+        raise NotImplementedError(f"backend {self.name!r} cannot export its model")
 
 
 def create_backend(spec: str) -> BackendProtocol:

@@ -37,6 +37,11 @@ class SamplingEngine(RolloutEngine):
     def tokenizer(self) -> Tokenizer:
         return self._engine.tokenizer
 
+    def encode_chat(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self._engine.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
         return self._checked(await self._engine.chat(messages, **self._params(sampling)))
 

@@ -1,0 +1,1 @@
+"""Worked examples of training with `unified`: one subpackage per task (data, reward, workflow)."""

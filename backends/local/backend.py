@@ -1,0 +1,293 @@
+"""LocalBackend: train and sample a PyTorch policy in-process (CPU or one GPU).
+
+The trainer model learns; the sampler holds its own copy of the weights that only
+`on_policy_updated` refreshes, so async rollouts really come from an older policy and
+`train/kl_sample_train` measures that gap. Gradients of several `forward_backward` calls
+accumulate until `optim_step` (AdamW, gradient clipping). Every blocking call runs in a worker
+thread. Checkpoints are safetensors: model, sampler, optimizer and RNG.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors.torch import load_file, save_file
+
+from backends.local.builtin import chat_prompt_ids, load_policy, save_policy
+from backends.local.losses import LossAggregation, per_token_loss, token_weights
+from backends.local.sampler import BatchingSampler
+from unified.config import TrainerConfig
+from unified.errors import BackendError, ConfigError
+from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine, Tokenizer
+from unified.types import ModelOutput, SamplingParams, TrajectoryGroup
+
+__all__ = ["LocalBackend", "LocalConfig"]
+
+
+class LocalConfig(BaseModel):
+    """`local:` — settings of the local backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda if available.")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's).")
+    max_batch: int = Field(64, ge=1, description="Most requests the sampler batches together.")
+    micro_batch: int = Field(64, ge=1, description="Sequences per training forward pass.")
+    loss_agg: LossAggregation = Field("token_mean", description="How token losses aggregate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    seed: int = Field(0, description="Seed of built-in model initialisation.")
+
+
+class _Sample:
+    """One model call of a trajectory, ready to be scored by the trainer model."""
+
+    __slots__ = ("advantage", "completion", "old_logprobs", "prompt")
+
+    def __init__(self, prompt: list[int], completion: list[int], old: list[float], adv: float):
+        self.prompt, self.completion, self.old_logprobs, self.advantage = (
+            prompt,
+            completion,
+            old,
+            adv,
+        )
+
+
+class LocalEngine(RolloutEngine):
+    """Chat template + the batching sampler."""
+
+    def __init__(self, backend: LocalBackend) -> None:
+        self._backend = backend
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._backend.tokenizer  # type: ignore[no-any-return]
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        return chat_prompt_ids(
+            self._backend.tokenizer, messages, add_generation_prompt=add_generation_prompt
+        )
+
+    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
+        return await self.complete(self.encode_chat(messages), **sampling)
+
+    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
+        return await self._backend.sampler.generate(
+            prompt_ids, SamplingParams.model_validate(sampling)
+        )
+
+
+class LocalBackend(BackendProtocol):
+    """In-process PyTorch policy: sampler with KV cache, four losses, AdamW."""
+
+    name: ClassVar[str] = "local"
+    capabilities = BackendCapabilities()
+
+    def __init__(self) -> None:
+        self.settings = LocalConfig()
+        self._grad_norm_denominator = 0.0
+
+    async def setup(self, config: TrainerConfig) -> None:
+        try:
+            self.settings = LocalConfig.model_validate(config.local)
+        except ValidationError as e:
+            first = e.errors()[0]
+            key = ".".join(str(p) for p in first["loc"])
+            raise ConfigError(f"config key 'local.{key}': {first['msg']}") from None
+        self.config = config
+        await asyncio.to_thread(self._load, config)
+
+    def _load(self, config: TrainerConfig) -> None:
+        s = self.settings
+        if s.threads:
+            torch.set_num_threads(s.threads)
+        use_cuda = s.device == "cuda" or (s.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda" if use_cuda else "cpu")
+        model, self.tokenizer = load_policy(config.model, seed=s.seed)
+        self.model = model.to(self.device).train()
+        self.sampler = BatchingSampler(self.model, self.tokenizer, max_batch=s.max_batch)
+        self.reference = None
+        if config.trainer.kl_coef > 0:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=config.trainer.lr,
+            betas=s.betas,
+            weight_decay=s.weight_decay,
+        )
+        self.temperature = config.sampling.train.temperature or 1.0
+
+    def rollout_engine(self) -> RolloutEngine:
+        return LocalEngine(self)
+
+    def set_learning_rate(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        return await asyncio.to_thread(self._forward_backward, groups)
+
+    async def optim_step(self) -> dict[str, float]:
+        return await asyncio.to_thread(self._optim_step)
+
+    async def on_policy_updated(self, version: int) -> None:
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        await asyncio.to_thread(self.sampler.load_weights, state, version)
+
+    # -- training -----------------------------------------------------------------------------
+
+    def _forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        samples = [
+            _Sample(s.output.prompt_ids, s.output.completion_ids, s.output.logprobs, adv)
+            for g in groups
+            for episode, adv in zip(g.episodes, g.advantages, strict=True)
+            for trajectory in episode.trajectories
+            for s in trajectory.steps
+            if s.output.completion_ids
+        ]
+        totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0, "tokens": 0.0}
+        step_norm = 0.0
+        for start in range(0, len(samples), self.settings.micro_batch):
+            chunk = samples[start : start + self.settings.micro_batch]
+            step_norm += self._backward_chunk(chunk, totals)
+        self._grad_norm_denominator += step_norm
+        n = max(1.0, totals["tokens"])
+        return {
+            "train/loss": totals["loss"] / max(step_norm, 1e-12),
+            "train/kl_sample_train": totals["kl"] / n,
+            "train/entropy": totals["entropy"] / n,
+            "train/clip_frac": totals["clipped"] / n,
+        }
+
+    def _backward_chunk(self, chunk: list[_Sample], totals: dict[str, float]) -> float:
+        t = self.config.trainer
+        logp_T, entropy_T, lengths = self._score(self.model, chunk, with_entropy=True)
+        old_T = torch.tensor([lp for s in chunk for lp in s.old_logprobs], device=self.device)
+        adv_T = torch.tensor([s.advantage for s in chunk for _ in s.completion], device=self.device)
+        terms = per_token_loss(t.loss, logp_T, old_T, adv_T, clip_ratio=t.clip_ratio)
+        loss_T = terms.loss_T
+        if self.reference is not None and t.kl_coef > 0:
+            with torch.no_grad():
+                ref_T, _, _ = self._score(self.reference, chunk, with_entropy=False)
+            log_ratio_T = ref_T - logp_T
+            loss_T = loss_T + t.kl_coef * (torch.exp(log_ratio_T) - log_ratio_T - 1)
+        if t.entropy_coef > 0:
+            loss_T = loss_T - t.entropy_coef * entropy_T
+        weights_T, norm = token_weights(lengths, self.settings.loss_agg)
+        weighted = (loss_T * weights_T.to(self.device)).sum()
+        weighted.backward()  # type: ignore[no-untyped-call]
+        totals["loss"] += float(weighted.detach())
+        totals["kl"] += float((old_T - logp_T.detach()).sum())
+        totals["entropy"] += float(entropy_T.detach().sum())
+        totals["clipped"] += float(terms.clipped_T.sum())
+        totals["tokens"] += float(len(logp_T))
+        return norm
+
+    def _score(
+        self, model: torch.nn.Module, chunk: list[_Sample], *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Log-probabilities (and entropies) of each sample's completion tokens, flattened."""
+        seqs = [s.prompt + s.completion for s in chunk]
+        width = max(len(q) for q in seqs)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, q in enumerate(seqs):
+            ids[i, : len(q)] = torch.tensor(q)
+            mask[i, : len(q)] = 1
+        logits = model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+        logp_parts, entropy_parts, lengths = [], [], []
+        for i, s in enumerate(chunk):
+            p, c = len(s.prompt), len(s.completion)
+            rows = torch.log_softmax(logits[i, p - 1 : p - 1 + c].float() / self.temperature, -1)
+            target = torch.tensor(s.completion, device=self.device)
+            logp_parts.append(rows.gather(1, target[:, None])[:, 0])
+            if with_entropy:
+                entropy_parts.append(-(rows.exp() * rows).sum(-1))
+            lengths.append(c)
+        logp_T = torch.cat(logp_parts)
+        entropy_T = torch.cat(entropy_parts) if with_entropy else torch.zeros_like(logp_T)
+        return logp_T, entropy_T, lengths
+
+    def _optim_step(self) -> dict[str, float]:
+        norm = self._grad_norm_denominator
+        self._grad_norm_denominator = 0.0
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params or norm <= 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"train/grad_norm": 0.0}
+        for p in params:
+            assert p.grad is not None
+            p.grad.div_(norm)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise BackendError(f"gradient norm is {grad_norm}; lower trainer.lr")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"train/grad_norm": grad_norm}
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    async def save_checkpoint(self, directory: Path) -> None:
+        await self.sampler.wait_idle()
+        await asyncio.to_thread(self._save, directory)
+
+    def _save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(_contiguous(self.model.state_dict()), directory / "model.safetensors")
+        save_file(_contiguous(self.sampler.model.state_dict()), directory / "sampler.safetensors")
+        state = self.optimizer.state_dict()
+        tensors = {
+            f"state.{index}.{name}": value
+            for index, entry in state["state"].items()
+            for name, value in entry.items()
+        }
+        tensors["rng.torch"] = torch.get_rng_state()
+        save_file(_contiguous(tensors), directory / "optimizer.safetensors")
+        meta = {"param_groups": state["param_groups"], "sampler_version": self.sampler.version}
+        (directory / "backend.json").write_text(json.dumps(meta))
+
+    async def load_checkpoint(self, directory: Path) -> None:
+        await self.sampler.wait_idle()
+        await asyncio.to_thread(self._load_checkpoint, directory)
+
+    def _load_checkpoint(self, directory: Path) -> None:
+        weights = load_file(directory / "model.safetensors", device=str(self.device))
+        try:
+            self.model.load_state_dict(weights)
+        except RuntimeError as e:
+            raise BackendError(f"checkpoint {directory} does not match the model: {e}") from e
+        meta = json.loads((directory / "backend.json").read_text())
+        sampler_weights = load_file(directory / "sampler.safetensors")
+        self.sampler.load_weights(sampler_weights, meta["sampler_version"])
+        tensors = load_file(directory / "optimizer.safetensors")
+        torch.set_rng_state(tensors.pop("rng.torch"))
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = value
+        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+    async def export_model(self, directory: Path) -> None:
+        """Write the trained policy as a Hugging Face model directory (atomically)."""
+        await asyncio.to_thread(save_policy, self.model, self.tokenizer, directory)
+
+    async def shutdown(self) -> None:
+        if hasattr(self, "sampler"):
+            await self.sampler.wait_idle()
+
+
+def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # Clones: safetensors refuses tensors that share storage (tied embeddings do).
+    return {k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}

@@ -1,0 +1,330 @@
+"""Built-in policies of the local backend, and loading/saving any policy from a local directory.
+
+A built-in policy is a small Qwen2-architecture causal LM with random weights and a
+character-level tokenizer (printable ASCII and newline, one token per character, ChatML special
+tokens), all made on this machine. A policy is named by a spec: `builtin:<size>` or the path of a
+local Hugging Face model directory. Invariants: nothing is ever downloaded (anything else is a
+`UsageError`), and the same size and seed give bit-identical weights without touching the
+caller's RNG.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from unified.errors import UsageError
+
+__all__ = [
+    "BUILTIN_PREFIX",
+    "BUILTIN_SIZES",
+    "build_model",
+    "build_tokenizer",
+    "chat_prompt_ids",
+    "is_builtin",
+    "load_policy",
+    "save_policy",
+]
+
+BUILTIN_PREFIX = "builtin:"
+
+_MAX_POSITIONS = 256
+
+# Qwen2Config keyword arguments per size. Parameter counts with the 101-token vocabulary
+# (embeddings tied): tiny 801,536; small 3,963,392; base 12,091,264.
+BUILTIN_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 384,
+        "max_position_embeddings": _MAX_POSITIONS,
+    },
+    "small": {
+        "hidden_size": 256,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 768,
+        "max_position_embeddings": _MAX_POSITIONS,
+    },
+    "base": {
+        "hidden_size": 384,
+        "num_hidden_layers": 7,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "intermediate_size": 1152,
+        "max_position_embeddings": _MAX_POSITIONS,
+    },
+}
+
+_PAD, _IM_START, _IM_END, _EOT, _UNK = (
+    "<|pad|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|unk|>",
+)
+# Special tokens take ids 0..4 in this order; characters follow ("\n" is 5, " " is 6, "~" is 100).
+_SPECIAL_TOKENS = (_PAD, _IM_START, _IM_END, _EOT, _UNK)
+_CHARACTERS = ("\n", *(chr(c) for c in range(32, 127)))
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# sdpa: as fast as eager on CPU for the tiny model at batch 64 x 64 (within noise, forward and
+# forward+backward), faster on GPU, and the transformers default.
+_ATTN_IMPLEMENTATION = "sdpa"
+
+
+def _builtin_names() -> str:
+    return ", ".join(BUILTIN_PREFIX + size for size in BUILTIN_SIZES)
+
+
+def is_builtin(spec: str) -> bool:
+    """Whether `spec` names a built-in model (`builtin:<size>`); `load_policy` checks the size."""
+    return spec.startswith(BUILTIN_PREFIX)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The character-level tokenizer of every built-in model, with its ChatML chat template.
+
+    One token per character of printable ASCII and newline, no BOS added, `<|unk|>` for any
+    other character; eos is `<|im_end|>`, pad is `<|pad|>`. Special-token text inside a string
+    (say `"<|im_end|>"`) encodes to the special token, as in Qwen's tokenizer.
+
+    Vocabulary entries are spelled in the byte-level alphabet of Qwen's BPE (" " is "Ġ", "\n" is
+    "Ċ"): transformers 5's `AutoTokenizer` ignores the saved pipeline of a `qwen2` model directory
+    and rebuilds a byte-level `Qwen2Tokenizer` from the vocabulary, so with this spelling any tool
+    that loads a saved built-in policy that way (verl, vLLM) tokenizes printable ASCII identically.
+    """
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    characters = [byte_level.pre_tokenize_str(c)[0][0] for c in _CHARACTERS]
+    vocab = {token: i for i, token in enumerate((*_SPECIAL_TOKENS, *characters))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=_UNK))
+    # Isolate characters first so an unknown one is one `<|unk|>` whatever its UTF-8 length.
+    # `[\s\S]` rather than `.`: the dot does not match "\n".
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated"), byte_level]
+    )
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(_SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=backend,
+        pad_token=_PAD,
+        eos_token=_IM_END,
+        unk_token=_UNK,
+        model_max_length=_MAX_POSITIONS,
+        # Clean-up would turn "a , b" into "a, b" on decode and break the round trip.
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = _CHAT_TEMPLATE
+    return tokenizer
+
+
+def chat_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template, as a flat list.
+
+    transformers 5 `apply_chat_template(..., tokenize=True)` returns a `BatchEncoding` by default
+    (`return_dict=True`); this asks for a list and still unwraps a mapping, so the result is a
+    `list[int]` for any tokenizer with a chat template.
+    """
+    encoded = tokenizer.apply_chat_template(
+        [dict(message) for message in messages],
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
+        return_dict=False,
+    )
+    if isinstance(encoded, Mapping):
+        encoded = encoded["input_ids"]
+    if not (isinstance(encoded, list) and all(isinstance(t, int) for t in encoded)):
+        raise TypeError(f"apply_chat_template gave {type(encoded).__name__}, not a list of ids")
+    return cast(list[int], encoded)
+
+
+def build_model(
+    size: str, *, seed: int = 0, tokenizer: PreTrainedTokenizerFast | None = None
+) -> Qwen2ForCausalLM:
+    """A randomly initialised built-in model of `size`, identical for the same size and seed.
+
+    The caller's RNG state is left as it was. Special-token ids come from `tokenizer` (the
+    built-in one when omitted); the vocabulary is exactly `len(tokenizer)`.
+    """
+    if size not in BUILTIN_SIZES:
+        raise UsageError(
+            f"unknown built-in model size {size!r}; use one of {', '.join(BUILTIN_SIZES)}"
+        )
+    tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
+    settings: dict[str, Any] = {
+        **BUILTIN_SIZES[size],
+        "vocab_size": len(tokenizer),
+        "tie_word_embeddings": True,
+        # transformers 5 keeps rope_theta inside rope_parameters.
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "attn_implementation": _ATTN_IMPLEMENTATION,
+    }
+    config = Qwen2Config(**settings)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(config)
+
+
+def load_policy(
+    spec: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model (on CPU, in eval mode) and tokenizer named by `spec`, never downloaded.
+
+    `builtin:<size>` builds a built-in model from `seed`; anything else must be a local Hugging
+    Face model directory (with `config.json`). Any other spec raises `UsageError`.
+    """
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    if is_builtin(spec):
+        size = spec.removeprefix(BUILTIN_PREFIX)
+        if size not in BUILTIN_SIZES:
+            raise UsageError(f"unknown built-in model {spec!r}; use one of {_builtin_names()}")
+        builtin_tokenizer = build_tokenizer()
+        model = build_model(size, seed=seed, tokenizer=builtin_tokenizer)
+        model.to(dtype=dtype)  # type: ignore[call-arg]  # transformers wraps `to` untypably
+        model.train(False)
+        return model, builtin_tokenizer
+    if not spec.strip():
+        raise UsageError(
+            f"model spec is empty; pass a local model directory or one of {_builtin_names()}"
+        )
+    directory = _model_directory(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
+        tokenizer = _load_tokenizer(directory)
+    except (OSError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(
+            f"cannot load model directory {spec!r}: {reason}; pass a directory written by "
+            f"save_pretrained (weights, config.json and tokenizer files)"
+        ) from e
+    embedding = model.get_input_embeddings()
+    if isinstance(embedding, torch.nn.Embedding) and len(tokenizer) > embedding.num_embeddings:
+        raise UsageError(
+            f"model directory {spec!r}: the tokenizer has {len(tokenizer)} tokens but the model "
+            f"embeds only {embedding.num_embeddings}; save the matching tokenizer with the model"
+        )
+    model.train(False)
+    return model, tokenizer
+
+
+def _load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in `directory`, of the class its tokenizer_config.json declares.
+
+    transformers 5's `AutoTokenizer` swaps a declared generic class (`TokenizersBackend`) for the
+    model type's own class in some model types (`qwen2` among them), rebuilding the pipeline from
+    the vocabulary alone; loading the declared class keeps `tokenizer.json` exactly as saved.
+    """
+    config_path = directory / "tokenizer_config.json"
+    declared = None
+    if config_path.is_file():
+        declared = json.loads(config_path.read_text(encoding="utf-8")).get("tokenizer_class")
+    if declared in _GENERIC_TOKENIZER_CLASSES and (directory / "tokenizer.json").is_file():
+        tokenizer: PreTrainedTokenizerBase = PreTrainedTokenizerFast.from_pretrained(
+            directory, local_files_only=True
+        )
+        return tokenizer
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def _model_directory(spec: str) -> Path:
+    """The local model directory `spec` names, or a `UsageError` that says what to pass instead."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(
+                f"model directory {spec!r} has no config.json; pass a Hugging Face model "
+                f"directory (written by save_pretrained) or one of {_builtin_names()}"
+            )
+        # transformers 5 builds an empty tokenizer from config.json alone, without an error.
+        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+            raise UsageError(
+                f"model directory {spec!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+                f"save the tokenizer into it with save_pretrained"
+            )
+        return path
+    if path.exists():
+        raise UsageError(
+            f"model {spec!r} is a file, not a directory; pass the Hugging Face model directory "
+            f"that holds it or one of {_builtin_names()}"
+        )
+    if path.is_absolute() or spec.startswith((".", "~")) or spec.endswith(os.sep):
+        raise UsageError(
+            f"model directory {spec!r} does not exist; pass an existing Hugging Face model "
+            f"directory or one of {_builtin_names()}"
+        )
+    raise UsageError(
+        f"model {spec!r} is not a local directory and models are not downloaded at run time; "
+        f"download it beforehand (`hf download {spec} --local-dir DIR`) and pass DIR, "
+        f"or use one of {_builtin_names()}"
+    )
+
+
+def save_policy(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: str | os.PathLike[str]
+) -> None:
+    """Write `model` (safetensors) and `tokenizer` to `directory`, replacing it atomically.
+
+    Everything is written into a sibling temporary directory first, so `directory` is never
+    half-written: a reader sees the old policy, no directory (for the instant between two
+    renames), or the new policy. `load_policy(str(directory))` gives back identical logits.
+    """
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    suffix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging = target.with_name(f".{target.name}.tmp-{suffix}")
+    retired = target.with_name(f".{target.name}.old-{suffix}")
+    staging.mkdir()
+    moved_aside = False
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        # os.replace cannot overwrite a non-empty directory: move the old one aside first.
+        if target.exists():
+            os.replace(target, retired)
+            moved_aside = True
+        os.replace(staging, target)
+    except BaseException:
+        if moved_aside and not target.exists():
+            os.replace(retired, target)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(retired, ignore_errors=True)

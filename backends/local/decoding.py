@@ -1,0 +1,178 @@
+"""Incremental decoding over a preallocated KV cache: one batch, one token at a time.
+
+A `Stepper` runs the model for a left-padded batch: `prefill` consumes the prompts and returns
+the next-token logits, `step` feeds one token per row and returns the following logits. The fast
+path, `Qwen2Stepper`, re-implements the forward of Qwen2/Llama-style models directly over
+preallocated key/value tensors; at small model sizes the per-token Python overhead of the generic
+Hugging Face path dominates, and this path avoids it. `HFStepper` serves every other causal LM.
+Both compute in float32 and agree with the model's own full-sequence forward (the trainer's) to
+float rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+__all__ = ["HFStepper", "Qwen2Stepper", "Stepper", "make_stepper"]
+
+
+class Stepper(Protocol):
+    """Runs one left-padded batch through the model token by token."""
+
+    def prefill(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+        """Consume the prompts; return the logits of the next token, [B, V]."""
+        ...
+
+    def step(self, ids_B: torch.Tensor) -> torch.Tensor:
+        """Append one token per row; return the logits of the token after it, [B, V]."""
+        ...
+
+
+def make_stepper(model: PreTrainedModel, batch: int, max_len: int) -> Stepper:
+    """The fast stepper for Qwen2/Llama-style models, the generic one for anything else."""
+    if Qwen2Stepper.supports(model):
+        return Qwen2Stepper(model, batch, max_len)
+    return HFStepper(model)
+
+
+class Qwen2Stepper:
+    """Qwen2/Llama forward over a preallocated cache (default RoPE, no sliding window)."""
+
+    @staticmethod
+    def supports(model: PreTrainedModel) -> bool:
+        cfg = model.config
+        rope = getattr(cfg, "rope_parameters", None) or {"rope_type": "default"}
+        return (
+            cfg.model_type in ("qwen2", "llama")
+            and rope.get("rope_type", "default") == "default"
+            and not getattr(cfg, "use_sliding_window", False)
+            and getattr(cfg, "hidden_act", "silu") == "silu"
+        )
+
+    def __init__(self, model: PreTrainedModel, batch: int, max_len: int) -> None:
+        cfg = model.config
+        inner: Any = model.model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.lm_head = model.lm_head  # type: ignore[attr-defined]
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.eps = cfg.rms_norm_eps
+        dtype = self.embed.weight.dtype
+        shape = (len(self.layers), batch, self.kv_heads, max_len, self.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.key_bias_BT = torch.zeros(batch, max_len, dtype=dtype)  # 0 visible, -inf hidden
+        inv_freq = inner.rotary_emb.inv_freq.float()
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.length = 0
+        self.next_pos_B = torch.zeros(batch, dtype=torch.long)
+
+    def prefill(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+        B, L = ids_BL.shape
+        valid = mask_BL.bool()
+        pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
+        self.key_bias_BT[:, :L] = torch.where(valid, 0.0, float("-inf"))
+        causal = torch.ones(L, L, dtype=torch.bool).tril()
+        # Pad queries may see themselves, so no row is fully masked (that would give NaNs).
+        allowed = causal & (valid[:, None, :] | torch.eye(L, dtype=torch.bool))
+        bias = torch.zeros(B, 1, L, L, dtype=self.k.dtype)
+        bias = bias.masked_fill(~allowed[:, None], -torch.inf)
+        hidden = self._forward(ids_BL, pos_BL, 0, bias)
+        self.length = L
+        self.next_pos_B = pos_BL[:, -1] + 1
+        return self.lm_head(self.norm(hidden[:, -1]))  # type: ignore[no-any-return]
+
+    def step(self, ids_B: torch.Tensor) -> torch.Tensor:
+        t = self.length
+        bias = self.key_bias_BT[:, None, None, : t + 1]
+        hidden = self._forward(ids_B[:, None], self.next_pos_B[:, None], t, bias)
+        self.length = t + 1
+        self.next_pos_B = self.next_pos_B + 1
+        return self.lm_head(self.norm(hidden[:, -1]))  # type: ignore[no-any-return]
+
+    def _forward(
+        self, ids_BS: torch.Tensor, pos_BS: torch.Tensor, start: int, bias: torch.Tensor
+    ) -> torch.Tensor:
+        B, S = ids_BS.shape
+        end = start + S
+        cos, sin = self.cos[pos_BS][:, None], self.sin[pos_BS][:, None]  # [B, 1, S, D]
+        x = self.embed(ids_BS)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = _rms_norm(x, layer.input_layernorm.weight, self.eps)
+            q = attn.q_proj(h).view(B, S, self.heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.k[i, :, :, start:end] = k
+            self.v[i, :, :, start:end] = v
+            out = F.scaled_dot_product_attention(
+                q,
+                self.k[i, :, :, :end],
+                self.v[i, :, :, :end],
+                attn_mask=bias,
+                enable_gqa=self.heads != self.kv_heads,
+            )
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+            h = _rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
+            mlp = layer.mlp
+            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        return x
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class HFStepper:
+    """Any Hugging Face causal LM through its own forward and a `DynamicCache`."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.cache = DynamicCache()
+        self.mask_BT: torch.Tensor | None = None
+        self.next_pos_B: torch.Tensor | None = None
+
+    def prefill(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+        pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=ids_BL,
+            attention_mask=mask_BL,
+            position_ids=pos_BL,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.mask_BT = mask_BL
+        self.next_pos_B = pos_BL[:, -1] + 1
+        return out.logits[:, -1].float()  # type: ignore[no-any-return]
+
+    def step(self, ids_B: torch.Tensor) -> torch.Tensor:
+        assert self.mask_BT is not None and self.next_pos_B is not None
+        self.mask_BT = torch.cat([self.mask_BT, self.mask_BT.new_ones(len(ids_B), 1)], dim=1)
+        out = self.model(
+            input_ids=ids_B[:, None],
+            attention_mask=self.mask_BT,
+            position_ids=self.next_pos_B[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.next_pos_B = self.next_pos_B + 1
+        return out.logits[:, -1].float()  # type: ignore[no-any-return]

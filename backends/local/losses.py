@@ -1,0 +1,82 @@
+"""Policy losses of the local backend, per token, with their aggregation.
+
+Every loss is a function of the trainer's log-probabilities `logp_T` (with gradient), the
+sampler's `old_logp_T` and the advantages `adv_T`, one entry per completion token:
+
+- `cross_entropy`:        -logp                                   (supervised; ignores advantages)
+- `importance_sampling`:  -exp(logp - old) * A                    (REINFORCE, off-policy corrected)
+- `ppo`:                  -min(r A, clip(r, 1-e, 1+e) A)          (clipped ratio; safe for async)
+- `cispo`:                -sg(clip(r, 1-e, 1+e)) * A * logp       (clipped, stop-gradient IS weight)
+
+With `r = exp(logp - old)`. At r = 1 `ppo` equals `importance_sampling` in value and gradient.
+Optional terms: `kl_coef * k3(ref || train)` and `-entropy_coef * entropy`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["LossAggregation", "LossTerms", "per_token_loss", "token_weights"]
+
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+
+
+@dataclass
+class LossTerms:
+    """Per-token loss and the statistics the backend reports."""
+
+    loss_T: torch.Tensor
+    clipped_T: torch.Tensor
+    ratio_T: torch.Tensor
+
+
+def per_token_loss(
+    loss: str,
+    logp_T: torch.Tensor,
+    old_logp_T: torch.Tensor,
+    adv_T: torch.Tensor,
+    *,
+    clip_ratio: float = 0.2,
+) -> LossTerms:
+    """The policy loss of each token (before KL, entropy and aggregation)."""
+    ratio_T = torch.exp(logp_T - old_logp_T)
+    low, high = 1.0 - clip_ratio, 1.0 + clip_ratio
+    clipped_T = torch.zeros_like(adv_T, dtype=torch.bool)
+    if loss == "cross_entropy":
+        loss_T = -logp_T
+    elif loss == "importance_sampling":
+        loss_T = -ratio_T * adv_T
+    elif loss == "ppo":
+        unclipped_T = ratio_T * adv_T
+        clipped_obj_T = ratio_T.clamp(low, high) * adv_T
+        loss_T = -torch.minimum(unclipped_T, clipped_obj_T)
+        clipped_T = clipped_obj_T < unclipped_T
+    elif loss == "cispo":
+        weight_T = ratio_T.detach().clamp(low, high)
+        loss_T = -weight_T * adv_T * logp_T
+        clipped_T = (ratio_T.detach() < low) | (ratio_T.detach() > high)
+    else:
+        raise ValueError(f"unknown loss {loss!r}")
+    return LossTerms(loss_T=loss_T, clipped_T=clipped_T, ratio_T=ratio_T.detach())
+
+
+def token_weights(lengths: list[int], mode: LossAggregation) -> tuple[torch.Tensor, float]:
+    """Per-token weights of a batch of sequences and the batch's normaliser contribution.
+
+    The backend sums `weight * loss` over every token of every `forward_backward` call and
+    divides the gradient by the summed normaliser at `optim_step`, so the aggregate is exact
+    however a step's groups were split across calls.
+    """
+    if mode == "token_mean":
+        weights = [torch.ones(n) for n in lengths]
+        return torch.cat(weights), float(sum(lengths))
+    if mode == "seq_mean_token_mean":
+        weights = [torch.full((n,), 1.0 / max(1, n)) for n in lengths]
+        return torch.cat(weights), float(len(lengths))
+    if mode == "seq_mean_token_sum":
+        weights = [torch.ones(n) for n in lengths]
+        return torch.cat(weights), float(len(lengths))
+    raise ValueError(f"unknown loss aggregation {mode!r}")

@@ -1,0 +1,256 @@
+"""The local sampler: batched generation with per-token logprobs, serving concurrent requests.
+
+`generate_batch` samples a whole batch of prompts with per-row settings (temperature, top-p, max
+tokens, stop strings, seed). `BatchingSampler` serves concurrent async requests: requests that
+arrive while a batch runs join the next batch. No background task is needed: the first waiting
+request whose batch has not run yet starts it in a worker thread; a request cancelled meanwhile
+(e.g. by a workflow timeout) does not lose the batch for the others.
+
+The sampler holds its own copy of the policy's weights; `load_weights` replaces it (the weight
+sync), so asynchronous training really samples from an older policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from backends.local.decoding import make_stepper
+from unified.errors import UsageError
+from unified.types import FinishReason, ModelOutput, SamplingParams
+
+__all__ = ["BatchingSampler", "Request", "generate_batch"]
+
+
+@dataclass
+class Request:
+    """One sampling request and, once the batch ran, its result."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: asyncio.Future[ModelOutput] | None = field(default=None, repr=False)
+
+
+@torch.no_grad()
+def generate_batch(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    requests: Sequence[Request],
+    *,
+    version: int,
+    max_positions: int | None = None,
+) -> list[ModelOutput]:
+    """Sample every request of one batch; blocking (call it from a worker thread)."""
+    B = len(requests)
+    lengths = [len(r.prompt_ids) for r in requests]
+    max_new = max(r.params.max_tokens for r in requests)
+    L = max(lengths)
+    if max_positions is not None and L + max_new > max_positions:
+        raise UsageError(
+            f"prompt of {L} tokens + max_tokens {max_new} exceeds the model's "
+            f"{max_positions} positions; shorten the prompt or lower sampling max_tokens"
+        )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids_BL = torch.full((B, L), pad, dtype=torch.long)
+    mask_BL = torch.zeros(B, L, dtype=torch.long)
+    for b, r in enumerate(requests):
+        if r.prompt_ids:
+            ids_BL[b, L - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask_BL[b, L - len(r.prompt_ids) :] = 1
+    temperature_B = torch.tensor([r.params.temperature for r in requests])
+    greedy_B = temperature_B == 0
+    safe_t_B = torch.where(greedy_B, 1.0, temperature_B)[:, None]
+    top_p_B = torch.tensor([r.params.top_p for r in requests])
+    any_top_p = bool((top_p_B < 1).any())
+    uniforms_BN = torch.stack([_uniforms(r.params.seed, max_new) for r in requests])
+    eos = {t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None}
+
+    stepper = make_stepper(model, B, L + max_new)
+    logits_BV = stepper.prefill(ids_BL, mask_BL).float()
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    logprobs: list[list[float]] = [[] for _ in range(B)]
+    finish: list[FinishReason | None] = [None] * B
+    for t in range(max_new):
+        logp_BV = torch.log_softmax(logits_BV / safe_t_B, dim=-1)
+        next_B = _sample(logp_BV, greedy_B, uniforms_BN[:, t], top_p_B if any_top_p else None)
+        chosen_B = logp_BV.gather(1, next_B[:, None])[:, 0]
+        next_list, chosen_list = next_B.tolist(), chosen_B.tolist()
+        for b, r in enumerate(requests):
+            if finish[b] is not None:
+                continue
+            tokens[b].append(next_list[b])
+            logprobs[b].append(chosen_list[b])
+            if next_list[b] in eos or _hit_stop(tokenizer, tokens[b], r.params.stop):
+                finish[b] = "stop"
+            elif len(tokens[b]) >= r.params.max_tokens:
+                finish[b] = "length"
+        if all(f is not None for f in finish):
+            break
+        logits_BV = stepper.step(next_B).float()
+    return [
+        ModelOutput(
+            text=_text(tokenizer, tokens[b], eos, r.params.stop),
+            prompt_ids=list(r.prompt_ids),
+            completion_ids=tokens[b],
+            logprobs=[min(0.0, lp) for lp in logprobs[b]],
+            finish_reason=finish[b] or "length",
+            policy_version=version,
+        )
+        for b, r in enumerate(requests)
+    ]
+
+
+def _uniforms(seed: int | None, n: int) -> torch.Tensor:
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return torch.rand(n, generator=generator, dtype=torch.float64)
+
+
+def _sample(
+    logp_BV: torch.Tensor,
+    greedy_B: torch.Tensor,
+    u_B: torch.Tensor,
+    top_p_B: torch.Tensor | None,
+) -> torch.Tensor:
+    """Inverse-CDF sampling with a pre-drawn uniform per row (reproducible per seed)."""
+    probs_BV = logp_BV.double().exp()
+    if top_p_B is not None:
+        sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+        keep_BV = (sorted_BV.cumsum(-1) - sorted_BV) < top_p_B[:, None]
+        sorted_BV = sorted_BV * keep_BV
+        cdf_BV = sorted_BV.cumsum(-1)
+        index_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None])[:, 0]
+        index_B = index_B.clamp(max=probs_BV.shape[-1] - 1)
+        sampled_B = order_BV.gather(1, index_B[:, None])[:, 0]
+    else:
+        cdf_BV = probs_BV.cumsum(-1)
+        index_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None])[:, 0]
+        sampled_B = index_B.clamp(max=probs_BV.shape[-1] - 1)
+    return torch.where(greedy_B, logp_BV.argmax(-1), sampled_B)
+
+
+def _hit_stop(tokenizer: PreTrainedTokenizerBase, ids: list[int], stop: list[str]) -> bool:
+    if not stop:
+        return False
+    tail = tokenizer.decode(ids[-16:])
+    return any(s in tail for s in stop)
+
+
+def _text(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], eos: set[int], stop: list[str]
+) -> str:
+    text: str = tokenizer.decode([i for i in ids if i not in eos])
+    for s in stop:
+        cut = text.find(s)
+        if cut >= 0:
+            text = text[:cut]
+    return text
+
+
+class BatchingSampler:
+    """Serves concurrent `generate` calls by batching them over a private copy of the weights."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_batch: int = 64,
+    ) -> None:
+        self.model = copy.deepcopy(model).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.version = 0
+        self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
+        self.batches = 0
+        self._queue: list[Request] = []
+        self._running: asyncio.Future[Any] | None = None
+        self._batch_done: asyncio.Future[None] | None = None
+        self._weights_lock = threading.Lock()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Replace the sampling weights (blocking; waits for a running batch to finish)."""
+        with self._weights_lock, torch.no_grad():
+            self.model.load_state_dict(state_dict)
+            self.version = version
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
+        """Sample one completion; batched with whatever else is waiting."""
+        loop = asyncio.get_running_loop()
+        request = Request(list(prompt_ids), params, loop.create_future())
+        assert request.future is not None
+        self._queue.append(request)
+        try:
+            while not request.future.done():
+                if self._running is None:
+                    # Let requests made in the same tick (e.g. a gather) join this batch.
+                    await asyncio.sleep(0)
+                if self._running is None:
+                    self._start_batch(loop)
+                if self._batch_done is None or self._batch_done.done():
+                    self._batch_done = loop.create_future()
+                # Futures only (no helper tasks): wake when ours is served or any batch ends.
+                await asyncio.wait(
+                    [request.future, self._batch_done], return_when=asyncio.FIRST_COMPLETED
+                )
+            return request.future.result()
+        finally:
+            if not request.future.done():
+                request.future.cancel()
+                if request in self._queue:
+                    self._queue.remove(request)
+
+    async def wait_idle(self) -> None:
+        """Wait for the batch running in the worker thread, if any."""
+        if self._running is not None:
+            await asyncio.wait([self._running])
+
+    def _start_batch(self, loop: asyncio.AbstractEventLoop) -> None:
+        batch = [r for r in self._queue[: self.max_batch] if r.future and not r.future.done()]
+        del self._queue[: self.max_batch]
+        if not batch:
+            return
+        running = loop.run_in_executor(None, self._run, batch)
+        self._running = running
+
+        def deliver(done: asyncio.Future[list[ModelOutput]]) -> None:
+            self._running = None
+            self.batches += 1
+            error = (
+                asyncio.CancelledError("sampling batch cancelled")
+                if done.cancelled()
+                else done.exception()
+            )
+            for i, r in enumerate(batch):
+                if r.future is None or r.future.done():
+                    continue
+                if error is not None:
+                    r.future.set_exception(error)
+                else:
+                    r.future.set_result(done.result()[i])
+            if self._batch_done is not None and not self._batch_done.done():
+                self._batch_done.set_result(None)
+
+        running.add_done_callback(deliver)
+
+    def _run(self, batch: list[Request]) -> list[ModelOutput]:
+        with self._weights_lock:
+            return generate_batch(
+                self.model,
+                self.tokenizer,
+                batch,
+                version=self.version,
+                max_positions=self.max_positions,
+            )

@@ -236,6 +236,7 @@ def test_save_policy_replaces_an_existing_directory_and_leaves_no_staging(
         ("builtin:huge", "builtin:tiny, builtin:small, builtin:base"),
         ("Qwen/Qwen2-0.5B", "not downloaded at run time"),
         ("/no/such/model_dir", "does not exist"),
+        ("", "model spec is empty"),
     ],
 )
 def test_bad_spec_is_a_one_line_usage_error_naming_spec_and_fix(spec: str, expected: str) -> None:

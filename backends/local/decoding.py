@@ -11,6 +11,7 @@ float rounding.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -65,6 +66,7 @@ class Qwen2Stepper:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.eps = cfg.rms_norm_eps
         dtype = self.embed.weight.dtype
+        self.fused = [_fuse(layer) for layer in self.layers]
         shape = (len(self.layers), batch, self.kv_heads, max_len, self.head_dim)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
@@ -106,32 +108,77 @@ class Qwen2Stepper:
         end = start + S
         cos, sin = self.cos[pos_BS][:, None], self.sin[pos_BS][:, None]  # [B, 1, S, D]
         x = self.embed(ids_BS)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = _rms_norm(x, layer.input_layernorm.weight, self.eps)
-            q = attn.q_proj(h).view(B, S, self.heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for i, f in enumerate(self.fused):
+            h = _rms_norm(x, f.norm1, self.eps)
+            qkv = F.linear(h, f.qkv_weight, f.qkv_bias)
+            q = qkv[..., :q_width].view(B, S, self.heads, self.head_dim).transpose(1, 2)
+            k = qkv[..., q_width : q_width + kv_width]
+            k = k.view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = qkv[..., q_width + kv_width :].view(B, S, self.kv_heads, self.head_dim)
+            v = v.transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             self.k[i, :, :, start:end] = k
             self.v[i, :, :, start:end] = v
-            out = F.scaled_dot_product_attention(
-                q,
-                self.k[i, :, :, :end],
-                self.v[i, :, :, :end],
-                attn_mask=bias,
-                enable_gqa=self.heads != self.kv_heads,
-            )
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(B, S, -1))
-            h = _rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
-            mlp = layer.mlp
-            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+            keys, values = self.k[i, :, :, :end], self.v[i, :, :, :end]
+            if S == 1:
+                out = self._decode_attention(q, keys, values, bias)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=bias, enable_gqa=self.heads != self.kv_heads
+                )
+            x = x + F.linear(out.transpose(1, 2).reshape(B, S, -1), f.o_weight)
+            h = _rms_norm(x, f.norm2, self.eps)
+            gate, up = F.linear(h, f.gate_up_weight).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, f.down_weight)
         return x
+
+    def _decode_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of one new token per row, heads grouped onto their shared KV head."""
+        B, T = q.shape[0], keys.shape[2]
+        group = self.heads // self.kv_heads
+        q_grouped = q.reshape(B, self.kv_heads, group, self.head_dim)
+        scores = torch.matmul(q_grouped, keys.transpose(-1, -2)) * self.head_dim**-0.5
+        weights = torch.softmax(scores + bias.reshape(B, 1, 1, T), dim=-1)
+        return torch.matmul(weights, values).reshape(B, self.heads, 1, self.head_dim)
+
+
+@dataclass
+class _FusedLayer:
+    """One decoder layer's weights, with q/k/v and gate/up concatenated: fewer, larger matmuls."""
+
+    norm1: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor
+    norm2: torch.Tensor
+    gate_up_weight: torch.Tensor
+    down_weight: torch.Tensor
+
+
+def _fuse(layer: Any) -> _FusedLayer:
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in projections]
+    has_bias = any(p.bias is not None for p in projections)
+    return _FusedLayer(
+        norm1=layer.input_layernorm.weight,
+        qkv_weight=torch.cat([p.weight for p in projections]),
+        qkv_bias=torch.cat(biases) if has_bias else None,
+        o_weight=attn.o_proj.weight,
+        norm2=layer.post_attention_layernorm.weight,
+        gate_up_weight=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        down_weight=mlp.down_proj.weight,
+    )
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
+    if dtype == torch.float32:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)

@@ -1,0 +1,134 @@
+"""Sampler speed: the local sampler against Hugging Face `model.generate()`, same model and batch.
+
+Both sample the same prompts (countdown prompts under the chat template) from the same built-in
+model with the same settings (temperature 1, top-p 1, the same max new tokens, stop at the
+end-of-turn token). Rounds alternate between the two in one process; the figure is the ratio of
+median generated tokens per second. A second figure shows request batching: N concurrent
+`chat` calls through the backend's engine against the same N calls made one at a time.
+
+    python bench/sampler.py --json runs/bench-sampler.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backends.local.backend import LocalBackend
+from backends.local.builtin import chat_prompt_ids, load_policy
+from backends.local.sampler import Request, generate_batch
+from examples.countdown.tasks import make_tasks, prompt
+from unified.config import load_config
+from unified.types import SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin:tiny")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer = load_policy(args.model)
+    model.eval()
+    messages = [[{"role": "user", "content": prompt(t.data)}] for t in make_tasks(args.batch)]
+    prompts = [chat_prompt_ids(tokenizer, m) for m in messages]
+    eos = tokenizer.eos_token_id
+
+    def ours() -> int:
+        params = [
+            SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=i)
+            for i in range(args.batch)
+        ]
+        outputs = generate_batch(
+            model,
+            tokenizer,
+            [Request(p, s) for p, s in zip(prompts, params, strict=True)],
+            version=0,
+        )
+        return sum(len(o.completion_ids) for o in outputs)
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = (
+        torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]
+    ).long()
+
+    def hf() -> int:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=args.max_tokens,
+                eos_token_id=eos,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        new = out[:, width:]
+        # Tokens up to and including the first end-of-turn, like the local sampler reports.
+        ended = (new == eos).int().cumsum(-1)
+        return int(((ended == 0) | ((ended == 1) & (new == eos))).sum())
+
+    rates: dict[str, list[float]] = {"local": [], "hf_generate": []}
+    for _ in range(args.rounds):
+        for name, fn in (("local", ours), ("hf_generate", hf)):
+            started = time.perf_counter()
+            tokens = fn()
+            rates[name].append(tokens / (time.perf_counter() - started))
+    local, hf_rate = statistics.median(rates["local"]), statistics.median(rates["hf_generate"])
+    batching = asyncio.run(_batching(args, messages))
+    report = {
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "tokens_per_s": {"local": local, "hf_generate": hf_rate},
+        "speedup_vs_generate": local / hf_rate,
+        "batching": batching,
+    }
+    print(f"local sampler   {local:8.0f} tokens/s (median of {args.rounds})")
+    print(f"model.generate  {hf_rate:8.0f} tokens/s")
+    print(f"speedup: {local / hf_rate:.2f}x")
+    print(
+        f"{args.batch} concurrent chat calls: {batching['concurrent_s']:.2f} s in "
+        f"{batching['batches']} batch(es); one at a time: {batching['sequential_s']:.2f} s "
+        f"({batching['sequential_s'] / batching['concurrent_s']:.1f}x)"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+async def _batching(
+    args: argparse.Namespace, messages: list[list[dict[str, str]]]
+) -> dict[str, float]:
+    config = load_config({"workflow": "unused:unused", "model": args.model})
+    backend = LocalBackend()
+    await backend.setup(config)
+    engine = backend.rollout_engine()
+    sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": args.max_tokens, "stop": []}
+    started = time.perf_counter()
+    await asyncio.gather(*[engine.chat(m, seed=i, **sampling) for i, m in enumerate(messages)])
+    concurrent = time.perf_counter() - started
+    batches = backend.sampler.batches
+    started = time.perf_counter()
+    for i, m in enumerate(messages):
+        await engine.chat(m, seed=i, **sampling)
+    sequential = time.perf_counter() - started
+    await backend.shutdown()
+    return {"concurrent_s": concurrent, "sequential_s": sequential, "batches": float(batches)}
+
+
+if __name__ == "__main__":
+    main()

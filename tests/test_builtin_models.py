@@ -36,11 +36,7 @@ MESSAGES = [
     {"role": "user", "content": "2 + 2?"},
 ]
 SPACED_TEXT = "x = 1 ,\n\n  y don 't !"
-RENDERED = (
-    "<|im_start|>system\nBe brief.<|im_end|>\n"
-    "<|im_start|>user\n2 + 2?<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
+RENDERED = "<|system|>Be brief.<|im_end|><|user|>2 + 2?<|im_end|><|assistant|>"
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +79,11 @@ def test_special_tokens_have_fixed_ids_and_roles(tokenizer: PreTrainedTokenizerF
 
     assert ids == [0, 1, 2, 3, 4], f"special-token ids moved: {ids}"
     assert tokenizer.encode("\n !~") == [5, 6, 7, 100], "characters follow the special tokens"
-    assert len(tokenizer) == 101, "vocabulary is 5 special tokens + 96 characters"
+    assert len(tokenizer) == 104, "vocabulary: 5 special tokens, 96 characters, 3 roles"
+    roles = tokenizer.convert_tokens_to_ids(["<|system|>", "<|user|>", "<|assistant|>"])
+    assert roles == [101, 102, 103], f"role-token ids moved: {roles}"
     assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|pad|>")
-    assert tokenizer.bos_token is None, "no BOS: prompts start with <|im_start|>"
+    assert tokenizer.bos_token is None, "no BOS: prompts start with a role token"
 
 
 def test_unknown_character_maps_to_unk(tokenizer: PreTrainedTokenizerFast) -> None:
@@ -113,7 +111,7 @@ def test_chat_prompt_ids_are_a_flat_list_of_the_rendered_text(
 
     assert isinstance(ids, list) and all(type(i) is int for i in ids), f"not list[int]: {ids!r}"
     assert ids == tokenizer.encode(RENDERED)
-    assert ids[-len("assistant\n") - 1] == 1, "prompt ends with <|im_start|>assistant\\n"
+    assert ids[-1] == 103, "prompt ends with the <|assistant|> token"
 
 
 def test_chat_prompt_ids_without_generation_prompt_end_after_the_last_message(
@@ -121,7 +119,7 @@ def test_chat_prompt_ids_without_generation_prompt_end_after_the_last_message(
 ) -> None:
     ids = chat_prompt_ids(tokenizer, MESSAGES, add_generation_prompt=False)
 
-    assert tokenizer.decode(ids) == RENDERED.removesuffix("<|im_start|>assistant\n")
+    assert tokenizer.decode(ids) == RENDERED.removesuffix("<|assistant|>")
 
 
 def test_chat_prompt_ids_unwraps_a_tokenizer_that_returns_a_mapping() -> None:

@@ -27,6 +27,13 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--dry-run", action="store_true", help="print the resolved config and checks, then exit"
     )
+    sft = commands.add_parser("sft", help="supervised fine-tuning on chat examples")
+    sft.add_argument("config", help="YAML config; data.train is a jsonl of {messages: [...]}")
+    sft.add_argument("overrides", nargs="*", help="dotted overrides")
+    sft.add_argument("--output", help="model directory to write (default: runs/<name>/model)")
+    plot = commands.add_parser("plot", help="draw a run's curves into a PNG")
+    plot.add_argument("run_dir", help="the run directory, runs/<name>")
+    plot.add_argument("--output", help="PNG path (default: <run_dir>/curves.png)")
     return parser
 
 
@@ -46,6 +53,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args.config, args.overrides, dry_run=args.dry_run)
+        if args.command == "sft":
+            return _sft(args.config, args.overrides, output=args.output)
+        if args.command == "plot":
+            from unified.plot import plot_run
+
+            print(plot_run(args.run_dir, args.output))
+            return 0
     except UsageError as e:
         print(f"unified: error: {e}", file=sys.stderr)
         return 2
@@ -76,6 +90,20 @@ def _train(config_path: str, overrides: Sequence[str], *, dry_run: bool) -> int:
     accuracy = result.metrics.get("eval/accuracy")
     shown = f", eval/accuracy {accuracy:.3f}" if accuracy is not None else ""
     print(f"trained {result.steps} steps{shown}; run directory: {result.run_dir}")
+    return 0
+
+
+def _sft(config_path: str, overrides: Sequence[str], *, output: str | None) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from unified.config import load_config
+    from unified.sft import run_sft
+
+    config = load_config(config_path, overrides)
+    target = Path(output) if output else config.run_path / "model"
+    asyncio.run(run_sft(config, output=target))
+    print(f"wrote the fine-tuned model to {target}")
     return 0
 
 

@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Countdown on the local backend, async mode: warm start (built once, cached), RL, report, curves.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+exec "${PYTHON:-.venv/bin/python}" -m examples.countdown.train examples/countdown/local_async.yaml "$@"

@@ -1,0 +1,88 @@
+"""The countdown warm start: a built-in model taught the answer format, cached on disk.
+
+`ensure_warmstart(directory)` builds it on first use and reuses it afterwards: random valid
+expressions for train prompts (`warmstart.py`), then `unified.sft.run_sft` on the local backend,
+exported as a Hugging Face directory. The recipe is written next to the model; a directory whose
+recipe differs is rebuilt, and the same recipe always gives the same model (seeded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from examples.countdown.warmstart import warmstart_examples
+from unified.config import load_config
+from unified.sft import run_sft
+from unified.types import Task
+
+__all__ = ["WarmStartRecipe", "ensure_warmstart"]
+
+RECIPE_FILE = "warmstart_recipe.json"
+
+
+class WarmStartRecipe(BaseModel):
+    """What the warm-started model is made of; changing any field rebuilds it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base_model: str = "builtin:tiny"
+    steps: int = 150
+    batch_size: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+    numbers: int = 3
+    max_number: int = 20
+
+
+def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = None) -> Path:
+    """The warm-started model directory, built first if missing or made by another recipe."""
+    recipe = recipe or WarmStartRecipe()
+    directory = Path(directory)
+    found = directory / RECIPE_FILE
+    if found.is_file() and WarmStartRecipe.model_validate_json(found.read_text()) == recipe:
+        return directory
+    print(
+        f"building the countdown warm start in {directory} ({recipe.steps} SFT steps)", flush=True
+    )
+    examples = warmstart_examples(
+        recipe.steps * recipe.batch_size,
+        seed=recipe.seed,
+        numbers=recipe.numbers,
+        max_number=recipe.max_number,
+    )
+    tasks = [Task(id=f"warmstart-{i}", data=example) for i, example in enumerate(examples)]
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    # Staged beside the target so the final rename is atomic: never a half-written model.
+    with tempfile.TemporaryDirectory(prefix=".warmstart-", dir=directory.parent) as scratch:
+        config = load_config(
+            {
+                "name": "warmstart",
+                "backend": "local",
+                "workflow": "examples.countdown.workflow:CountdownWorkflow",
+                "model": recipe.base_model,
+                "trainer": {
+                    "total_steps": recipe.steps,
+                    "batch_size": recipe.batch_size,
+                    "lr": recipe.lr,
+                    "lr_schedule": "cosine",
+                    "warmup_steps": min(10, recipe.steps // 10),
+                    "seed": recipe.seed,
+                },
+                "local": {"seed": recipe.seed},
+                "logging": {"run_dir": scratch, "console": True},
+            }
+        )
+        staged = Path(scratch) / "model"
+        asyncio.run(run_sft(config, output=staged, examples=tasks))
+        (staged / RECIPE_FILE).write_text(json.dumps(recipe.model_dump(), indent=2))
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(staged, directory)
+    return directory

@@ -1,0 +1,54 @@
+"""`unified plot` draws a run's curves; `unified sft` fine-tunes and exports a loadable model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from backends.local.builtin import load_policy
+from unified.cli import main
+from unified.errors import UsageError
+from unified.plot import plot_run
+
+
+def test_plot_writes_a_png_of_the_run_curves(tmp_path: Path) -> None:
+    rows = [
+        {"step": 0, "eval/accuracy": 0.1},
+        {"step": 1, "reward/mean": 0.2, "train/entropy": 1.5, "train/kl_sample_train": 0.01},
+        {"step": 2, "reward/mean": 0.3, "eval/accuracy": 0.2, "train/entropy": 1.4},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = plot_run(tmp_path)
+    assert path == tmp_path / "curves.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_a_directory_without_metrics_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=r"no metrics\.jsonl"):
+        plot_run(tmp_path)
+
+
+def test_sft_command_trains_and_writes_a_loadable_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "chat.jsonl"
+    example = {
+        "messages": [{"role": "user", "content": "1 2"}, {"role": "assistant", "content": "1+2"}]
+    }
+    data.write_text("".join(json.dumps({"id": f"e{i}", **example}) + "\n" for i in range(8)))
+    config = tmp_path / "sft.yaml"
+    config.write_text(
+        "name: sft\nbackend: local\nworkflow: examples.countdown.workflow:CountdownWorkflow\n"
+        f"model: builtin:tiny\ndata: {{train: {data}}}\n"
+        "trainer: {total_steps: 3, batch_size: 4, lr: 0.003}\n"
+        f"logging: {{run_dir: {tmp_path / 'runs'}, console: false}}\n"
+    )
+    assert main(["sft", str(config)]) == 0, capsys.readouterr().err
+    out = tmp_path / "runs" / "sft" / "model"
+    model, tokenizer = load_policy(str(out))
+    assert model.config.model_type == "qwen2"
+    assert tokenizer.decode(tokenizer.encode("1+2")) == "1+2"
+    lines = (tmp_path / "runs" / "sft" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and "train/loss" in json.loads(lines[-1])

@@ -1,0 +1,53 @@
+"""`unified plot runs/<name>`: the run's curves as one PNG (reward, eval accuracy, entropy, KL).
+
+Reads `metrics.jsonl`; matplotlib is imported only here, with the non-interactive Agg backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from unified.errors import UsageError
+
+__all__ = ["plot_run"]
+
+_PANELS = (
+    ("reward/mean", "training reward (mean)"),
+    ("eval/accuracy", "eval accuracy (greedy)"),
+    ("train/entropy", "policy entropy (nats/token)"),
+    ("train/kl_sample_train", "KL(sampler || trainer)"),
+)
+
+
+def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
+    """Write the curves of `run_dir` to `output` (default `<run_dir>/curves.png`)."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UsageError(f"{str(run_dir)!r} has no metrics.jsonl; give a run directory runs/<name>")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise UsageError(f"{str(path)!r} is empty: the run logged no step yet")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), constrained_layout=True)
+    for ax, (key, title) in zip(axes.flat, _PANELS, strict=True):
+        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if points:
+            steps, values = zip(*points, strict=True)
+            ax.plot(steps, values, marker="o" if key.startswith("eval/") else None, markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(run_dir.name)
+    target = Path(output) if output is not None else run_dir / "curves.png"
+    staged = target.with_name(f".{target.name}.tmp.png")
+    fig.savefig(staged, dpi=110)
+    plt.close(fig)
+    os.replace(staged, target)
+    return target

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -60,6 +60,7 @@ def weights_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 @settings(deadline=None, max_examples=200)
 @given(text=st.text(alphabet=st.sampled_from(PRINTABLE)))
 def test_tokenizer_round_trips_printable_ascii_one_token_per_character(text: str) -> None:
+    assume("<|" not in text)  # special-token text encodes to its one special token, by design
     tokenizer = build_tokenizer()
     ids = tokenizer.encode(text)
     assert len(ids) == len(text), f"expected one id per character of {text!r}, got {ids}"

@@ -319,3 +319,16 @@ def test_checkpoint_resume_continues_without_training_a_task_twice(
     assert trained(ledger(result.run_dir)) == trained(ledger(full_run.run_dir))
     steps = [m["step"] for m in metrics_lines(result.run_dir)]
     assert steps == [1, 2, 3, 4, 5, 6], "the step counter continues"
+
+
+def test_time_budget_ends_the_run_between_steps_with_a_final_eval(
+    make_config: ConfigFactory,
+) -> None:
+    config = make_config(
+        mode="async",
+        trainer={"total_steps": 10_000, "max_time_s": 0.3, "eval_every": 1_000},
+    )
+    backend = BanditBackend(latency=heavy_tailed_latency())
+    result = fit(config, backend, eval_tasks=bandit_tasks(3, prefix="e"))
+    assert 0 < result.steps < 10_000
+    assert "eval/accuracy" in result.metrics, "the last step is evaluated like a final step"

@@ -37,6 +37,12 @@ class TrainConfig(_Section):
     """`trainer:` — the optimization schedule, loss, advantages and fault tolerance."""
 
     total_steps: int = Field(100, ge=1, description="Optimizer steps to run.")
+    max_time_s: float | None = Field(
+        None,
+        gt=0,
+        description="Stop after the step that passes this many seconds of training (then the "
+        "final eval and checkpoint run as after the last step).",
+    )
     batch_size: int = Field(8, ge=1, description="Groups (tasks) per optimizer step.")
     group_size: int = Field(8, ge=1, description="Rollouts per task.")
     micro_batch_size: int | None = Field(

@@ -172,7 +172,7 @@ class _Loop:
         self.episodes_failed = 0
         self.tokens = 0
         self.last_metrics: dict[str, float] = {}
-        self._step_started = time.monotonic()
+        self._step_started = self._started = time.monotonic()
 
     # -- set-up and resume ----------------------------------------------------------------
 
@@ -190,14 +190,14 @@ class _Loop:
         if self.step == 0 and self.t.eval_before_train and self.trainer.eval_tasks:
             await self._log(await self._evaluate())
         self._set_wanted(0)
-        self._step_started = time.monotonic()
+        self._step_started = self._started = time.monotonic()
         self.coordinator.take_idle_seconds()
 
     # -- the two loops ------------------------------------------------------------------------
 
     async def run_sync(self) -> None:
         """Generate a full batch, then train on it; repeat."""
-        while self.step < self.t.total_steps:
+        while not self.finished:
             started = time.monotonic()
             items: list[Item] = []
             while len(items) < self.t.batch_size:
@@ -218,7 +218,7 @@ class _Loop:
         async with asyncio.TaskGroup() as tg:
             producer = tg.create_task(self._produce())
             try:
-                while self.step < self.t.total_steps:
+                while not self.finished:
                     items: list[Item] = []
                     wait_s = forward_s = 0.0
                     micro = self.t.micro_batch_size or self.t.batch_size
@@ -387,13 +387,21 @@ class _Loop:
             metrics.update(await self._evaluate())
         await self._log(metrics)
         if self.t.save_every and (
-            self.step % self.t.save_every == 0 or self.step == self.t.total_steps
+            self.step % self.t.save_every == 0 or self.finished
         ):
             await self._save()
 
+    @property
+    def finished(self) -> bool:
+        """All `total_steps` done, or the `max_time_s` budget spent (checked between steps)."""
+        if self.step >= self.t.total_steps:
+            return True
+        budget = self.t.max_time_s
+        return budget is not None and time.monotonic() - self._started >= budget
+
     def _eval_due(self) -> bool:
         every = self.t.eval_every
-        return every > 0 and (self.step % every == 0 or self.step == self.t.total_steps)
+        return every > 0 and (self.step % every == 0 or self.finished)
 
     async def _sync_weights(self) -> float:
         started = time.monotonic()

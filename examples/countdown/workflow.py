@@ -13,7 +13,7 @@ from examples.countdown.tasks import prompt
 from unified.types import Task
 from workflows.single_turn import SingleTurnWorkflow
 
-__all__ = ["CountdownWorkflow"]
+__all__ = ["CountdownSparseWorkflow", "CountdownWorkflow"]
 
 
 class CountdownWorkflow(SingleTurnWorkflow):
@@ -27,3 +27,9 @@ class CountdownWorkflow(SingleTurnWorkflow):
 
     def reward(self, task: Task, reply: str) -> tuple[float, bool]:
         return countdown_reward(reply, task.data, format_reward=self.format_reward)
+
+
+class CountdownSparseWorkflow(CountdownWorkflow):
+    """Reward only exact hits: no credit for a well-formed miss."""
+
+    format_reward = 0.0

@@ -386,9 +386,7 @@ class _Loop:
         if self.trainer.eval_tasks and self._eval_due():
             metrics.update(await self._evaluate())
         await self._log(metrics)
-        if self.t.save_every and (
-            self.step % self.t.save_every == 0 or self.finished
-        ):
+        if self.t.save_every and (self.step % self.t.save_every == 0 or self.finished):
             await self._save()
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -360,3 +361,10 @@ async def test_workflow_run_scores_the_reply(reply: str, reward: float, correct:
     assert trajectory.reward == reward
     assert trajectory.steps[0].info == {"correct": correct}
     assert engine.seen == [[{"role": "user", "content": "3 7 12 -> 33"}]]
+
+
+def test_warmstart_in_order_keeps_the_prompt_order_of_the_numbers() -> None:
+    for example in warmstart_examples(50, seed=3, in_order=1.0):
+        user, assistant = (m["content"] for m in example["messages"])
+        numbers = user.split(" -> ")[0].split()
+        assert re.findall(r"\d+", assistant) == numbers, (user, assistant)

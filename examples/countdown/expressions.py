@@ -85,22 +85,26 @@ def render(expr: Expr) -> str:
     return f"{left}{expr.op}{right}"
 
 
-def random_tree(numbers: Sequence[int], rng: random.Random) -> tuple[Expr, Fraction]:
+def random_tree(
+    numbers: Sequence[int], rng: random.Random, *, shuffle: bool = True
+) -> tuple[Expr, Fraction]:
     """A random expression using every number exactly once, and its exact value.
 
-    The numbers are shuffled, split at random points into a binary tree, and joined by random
-    operators; a `/` whose divisor is zero is redrawn from `+ - *`, so the value is always finite.
+    The numbers are shuffled (unless `shuffle` is false), split at random points into a binary
+    tree, and joined by random operators; a `/` whose divisor is zero is redrawn from `+ - *`, so
+    the value is always finite.
     """
     if not numbers:
         raise ValueError("random_tree needs at least one number, got none")
     order = list(numbers)
-    rng.shuffle(order)
+    if shuffle:
+        rng.shuffle(order)
     return _build(order, rng)
 
 
-def random_expression(numbers: Sequence[int], rng: random.Random) -> str:
+def random_expression(numbers: Sequence[int], rng: random.Random, *, shuffle: bool = True) -> str:
     """The compact text of a random expression using every number exactly once (see `render`)."""
-    expr, _ = random_tree(numbers, rng)
+    expr, _ = random_tree(numbers, rng, shuffle=shuffle)
     return render(expr)
 
 

@@ -39,6 +39,7 @@ class WarmStartRecipe(BaseModel):
     seed: int = 0
     numbers: int = 3
     max_number: int = 20
+    in_order: float = 0.0
 
 
 def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = None) -> Path:
@@ -56,6 +57,7 @@ def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = Non
         seed=recipe.seed,
         numbers=recipe.numbers,
         max_number=recipe.max_number,
+        in_order=recipe.in_order,
     )
     tasks = [Task(id=f"warmstart-{i}", data=example) for i, example in enumerate(examples)]
     directory.parent.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ def warmstart_examples(
     numbers: int = 3,
     max_number: int = 20,
     max_target: int = 100,
+    in_order: float = 0.0,
 ) -> list[dict[str, Any]]:
     """`n` chat examples `{"messages": [user prompt, assistant expression]}`, deterministic in seed.
 
@@ -46,11 +47,16 @@ def warmstart_examples(
         if split_of(values, target) != "train":
             continue
         data = {"numbers": values, "target": target}
+        # Keeping the prompt's order part of the time makes copying the numbers easier to learn.
+        shuffle = rng.random() >= in_order
         examples.append(
             {
                 "messages": [
                     {"role": "user", "content": prompt(data)},
-                    {"role": "assistant", "content": random_expression(values, rng)},
+                    {
+                        "role": "assistant",
+                        "content": random_expression(values, rng, shuffle=shuffle),
+                    },
                 ]
             }
         )

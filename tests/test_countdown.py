@@ -368,3 +368,11 @@ def test_warmstart_in_order_keeps_the_prompt_order_of_the_numbers() -> None:
         user, assistant = (m["content"] for m in example["messages"])
         numbers = user.split(" -> ")[0].split()
         assert re.findall(r"\d+", assistant) == numbers, (user, assistant)
+
+
+def test_closeness_reward_pays_more_for_a_nearer_miss() -> None:
+    data = {"numbers": [3, 5, 7], "target": 22}
+    near, _ = countdown_reward("3*5+7", data, format_reward=0.1, closeness_reward=0.3)  # 22: hit
+    close, _ = countdown_reward("3+5*7", data, format_reward=0.1, closeness_reward=0.3)  # 38
+    far, _ = countdown_reward("3*5*7", data, format_reward=0.1, closeness_reward=0.3)  # 105
+    assert near == 1.0 and 0.1 < close < 0.4 and far == 0.1

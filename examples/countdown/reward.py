@@ -64,13 +64,18 @@ def parse_expression(text: str, numbers: Sequence[int]) -> Fraction | None:
 
 
 def countdown_reward(
-    text: str, data: Mapping[str, Any], *, format_reward: float = 0.1
+    text: str,
+    data: Mapping[str, Any],
+    *,
+    format_reward: float = 0.1,
+    closeness_reward: float = 0.0,
 ) -> tuple[float, bool]:
     """`(reward, correct)` for a reply to the task with `data` `{"numbers", "target"}`.
 
-    `(1.0, True)` when the answer hits the target; `(format_reward, False)` when it is a valid
-    expression over the numbers that misses it; `(0.0, False)` otherwise. Malformed task data
-    (not the reply) raises ValueError: that is a dataset bug, not a bad answer.
+    `(1.0, True)` when the answer hits the target; a valid expression over the numbers that misses
+    it earns `format_reward` plus up to `closeness_reward` the nearer its value is to the target
+    (a dense signal that depends on the target); anything else is `(0.0, False)`. Malformed task
+    data (not the reply) raises ValueError: that is a dataset bug, not a bad answer.
     """
     numbers, target = problem_of(data)
     value = parse_expression(text, numbers)
@@ -78,7 +83,8 @@ def countdown_reward(
         return 0.0, False
     if value == target:
         return 1.0, True
-    return format_reward, False
+    miss = abs(float(value) - target) / max(abs(target), 1)
+    return format_reward + closeness_reward * max(0.0, 1.0 - miss), False
 
 
 def _collect_leaves(node: ast.expr, leaves: list[int]) -> None:

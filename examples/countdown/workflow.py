@@ -13,7 +13,7 @@ from examples.countdown.tasks import prompt
 from unified.types import Task
 from workflows.single_turn import SingleTurnWorkflow
 
-__all__ = ["CountdownSparseWorkflow", "CountdownWorkflow"]
+__all__ = ["CountdownShapedWorkflow", "CountdownSparseWorkflow", "CountdownWorkflow"]
 
 
 class CountdownWorkflow(SingleTurnWorkflow):
@@ -21,15 +21,28 @@ class CountdownWorkflow(SingleTurnWorkflow):
 
     format_reward: float = 0.1
     """Reward for a valid expression over the numbers that misses the target."""
+    closeness_reward: float = 0.0
+    """Extra reward, up to this much, for a miss whose value is near the target."""
 
     def messages(self, task: Task) -> list[dict[str, Any]]:
         return [{"role": "user", "content": prompt(task.data)}]
 
     def reward(self, task: Task, reply: str) -> tuple[float, bool]:
-        return countdown_reward(reply, task.data, format_reward=self.format_reward)
+        return countdown_reward(
+            reply,
+            task.data,
+            format_reward=self.format_reward,
+            closeness_reward=self.closeness_reward,
+        )
 
 
 class CountdownSparseWorkflow(CountdownWorkflow):
     """Reward only exact hits: no credit for a well-formed miss."""
 
     format_reward = 0.0
+
+
+class CountdownShapedWorkflow(CountdownWorkflow):
+    """Also reward near misses, by how close their value is to the target."""
+
+    closeness_reward = 0.3

@@ -33,13 +33,13 @@ class WarmStartRecipe(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     base_model: str = "builtin:tiny"
-    steps: int = 150
+    steps: int = 400
     batch_size: int = 64
     lr: float = 3e-3
     seed: int = 0
     numbers: int = 3
     max_number: int = 20
-    in_order: float = 0.0
+    in_order: float = 0.5
 
 
 def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = None) -> Path:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from examples.countdown.baselines import baselines
-from examples.countdown.prepare import ensure_warmstart
+from examples.countdown.prepare import RECIPE_FILE, ensure_warmstart
 from unified.config import load_config
 from unified.errors import UnifiedError, UsageError
 from unified.plot import plot_run
@@ -43,8 +43,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         config = load_config(args[0], args[1:])
-        if not config.model.startswith("builtin:") and not Path(config.model).exists():
-            ensure_warmstart(config.model)
+        model_dir = Path(config.model)
+        # A missing directory, or one made by an older recipe, is (re)built; a user's own is kept.
+        if not config.model.startswith("builtin:") and (
+            not model_dir.exists() or (model_dir / RECIPE_FILE).exists()
+        ):
+            ensure_warmstart(model_dir)
         if not any(a.startswith("name=") for a in args[1:]):
             config.name = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         trainer = UnifiedTrainer(config)

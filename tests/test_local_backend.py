@@ -147,3 +147,16 @@ def test_a_few_optimizer_steps_on_countdown(make_config: ConfigFactory, mode: st
     assert result.steps == 2
     for key in ("train/loss", "train/kl_sample_train", "train/entropy", "train/grad_norm"):
         assert key in result.metrics, key
+
+
+async def test_a_batched_request_gets_what_it_would_get_alone() -> None:
+    backend = await started()
+    lengths = [2, 8, 5, 1, 8, 3]  # rows finish at different steps and leave the batch
+    batched = await asyncio.gather(
+        *[sample(backend, PROMPTS[i % 4], 10 + i, max_tokens=n) for i, n in enumerate(lengths)]
+    )
+    for i, n in enumerate(lengths):
+        alone = await sample(backend, PROMPTS[i % 4], 10 + i, max_tokens=n)
+        assert alone.completion_ids == batched[i].completion_ids, f"request {i}"
+        assert alone.logprobs == pytest.approx(batched[i].logprobs, abs=1e-5)
+    await backend.shutdown()

@@ -32,6 +32,10 @@ class Stepper(Protocol):
         """Append one token per row; return the logits of the token after it, [B, V]."""
         ...
 
+    def keep(self, rows: torch.Tensor) -> bool:
+        """Drop every row not in `rows` from the batch; False if this stepper cannot."""
+        ...
+
 
 def make_stepper(model: PreTrainedModel, batch: int, max_len: int) -> Stepper:
     """The fast stepper for Qwen2/Llama-style models, the generic one for anything else."""
@@ -92,6 +96,14 @@ class Qwen2Stepper:
         self.length = L
         self.next_pos_B = pos_BL[:, -1] + 1
         return self.lm_head(self.norm(hidden[:, -1]))  # type: ignore[no-any-return]
+
+    def keep(self, rows: torch.Tensor) -> bool:
+        end = self.length
+        self.k = self.k[:, rows].contiguous() if end else self.k[:, rows]
+        self.v = self.v[:, rows].contiguous() if end else self.v[:, rows]
+        self.key_bias_BT = self.key_bias_BT[rows]
+        self.next_pos_B = self.next_pos_B[rows]
+        return True
 
     def step(self, ids_B: torch.Tensor) -> torch.Tensor:
         t = self.length
@@ -178,7 +190,7 @@ def _fuse(layer: Any) -> _FusedLayer:
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     if dtype == torch.float32:
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
@@ -210,6 +222,9 @@ class HFStepper:
         self.mask_BT = mask_BL
         self.next_pos_B = pos_BL[:, -1] + 1
         return out.logits[:, -1].float()  # type: ignore[no-any-return]
+
+    def keep(self, rows: torch.Tensor) -> bool:
+        return False
 
     def step(self, ids_B: torch.Tensor) -> torch.Tensor:
         assert self.mask_BT is not None and self.next_pos_B is not None

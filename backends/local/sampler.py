@@ -77,22 +77,31 @@ def generate_batch(
     tokens: list[list[int]] = [[] for _ in range(B)]
     logprobs: list[list[float]] = [[] for _ in range(B)]
     finish: list[FinishReason | None] = [None] * B
+    rows = list(range(B))  # request index of each row still in the batch
     for t in range(max_new):
         logp_BV = torch.log_softmax(logits_BV / safe_t_B, dim=-1)
         next_B = _sample(logp_BV, greedy_B, uniforms_BN[:, t], top_p_B if any_top_p else None)
         chosen_B = logp_BV.gather(1, next_B[:, None])[:, 0]
         next_list, chosen_list = next_B.tolist(), chosen_B.tolist()
-        for b, r in enumerate(requests):
+        for i, b in enumerate(rows):
             if finish[b] is not None:
-                continue
-            tokens[b].append(next_list[b])
-            logprobs[b].append(chosen_list[b])
-            if next_list[b] in eos or _hit_stop(tokenizer, tokens[b], r.params.stop):
+                continue  # finished, but still in the batch until the next compaction
+            r = requests[b]
+            tokens[b].append(next_list[i])
+            logprobs[b].append(chosen_list[i])
+            if next_list[i] in eos or _hit_stop(tokenizer, tokens[b], r.params.stop):
                 finish[b] = "stop"
             elif len(tokens[b]) >= r.params.max_tokens:
                 finish[b] = "length"
-        if all(f is not None for f in finish):
+        keep = [i for i, b in enumerate(rows) if finish[b] is None]
+        if not keep:
             break
+        if len(keep) <= len(rows) * 3 // 4 and stepper.keep(torch.tensor(keep)):
+            # Finished rows leave the batch: no more compute spent on them.
+            index = torch.tensor(keep)
+            rows = [rows[i] for i in keep]
+            next_B, safe_t_B, greedy_B = next_B[index], safe_t_B[index], greedy_B[index]
+            top_p_B, uniforms_BN = top_p_B[index], uniforms_BN[index]
         logits_BV = stepper.step(next_B).float()
     return [
         ModelOutput(

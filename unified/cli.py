@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from unified.errors import UnifiedError, UsageError
 
-__all__ = ["main"]
+__all__ = ["main", "run_command"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,26 +50,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Workflows and backends are named by import path relative to the project, as with `python -m`.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    try:
-        if args.command == "train":
-            return _train(args.config, args.overrides, dry_run=args.dry_run)
-        if args.command == "sft":
-            return _sft(args.config, args.overrides, output=args.output)
-        if args.command == "plot":
-            from unified.plot import plot_run
+    return run_command(lambda: _dispatch(args))
 
-            print(plot_run(args.run_dir, args.output))
-            return 0
+
+def run_command(command: Callable[[], int], prog: str = "unified") -> int:
+    """Run `command`; turn our errors into one line on stderr and the matching exit code."""
+    try:
+        return command()
     except UsageError as e:
-        print(f"unified: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except UnifiedError as e:
-        print(f"unified: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"{prog}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("unified: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
-    return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "train":
+        return _train(args.config, args.overrides, dry_run=args.dry_run)
+    if args.command == "sft":
+        return _sft(args.config, args.overrides, output=args.output)
+    from unified.plot import plot_run
+
+    print(plot_run(args.run_dir, args.output))
+    return 0
 
 
 def _train(config_path: str, overrides: Sequence[str], *, dry_run: bool) -> int:

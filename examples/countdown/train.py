@@ -17,8 +17,9 @@ from pathlib import Path
 
 from examples.countdown.baselines import baselines
 from examples.countdown.prepare import RECIPE_FILE, ensure_warmstart
+from unified.cli import run_command
 from unified.config import load_config
-from unified.errors import UnifiedError, UsageError
+from unified.errors import UsageError
 from unified.plot import plot_run
 from unified.trainer import UnifiedTrainer
 
@@ -41,29 +42,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0].startswith("-"):
         print(__doc__, file=sys.stderr)
         return 2
-    try:
-        config = load_config(args[0], args[1:])
-        model_dir = Path(config.model)
-        # A missing directory, or one made by an older recipe, is (re)built; a user's own is kept.
-        if not config.model.startswith("builtin:") and (
-            not model_dir.exists() or (model_dir / RECIPE_FILE).exists()
-        ):
-            ensure_warmstart(model_dir)
-        if not any(a.startswith("name=") for a in args[1:]):
-            config.name = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        trainer = UnifiedTrainer(config)
-        started = time.monotonic()
-        result = trainer.fit()
-        minutes = (time.monotonic() - started) / 60
-        summary = summarize(result.run_dir)
-        reference = baselines(trainer.eval_tasks)
-        curves = plot_run(result.run_dir)
-    except UsageError as e:
-        print(f"countdown: error: {e}", file=sys.stderr)
-        return 2
-    except UnifiedError as e:
-        print(f"countdown: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    return run_command(lambda: _train_and_report(args[0], args[1:]), prog="countdown")
+
+
+def _train_and_report(config_path: str, overrides: list[str]) -> int:
+    config = load_config(config_path, overrides)
+    model_dir = Path(config.model)
+    # A missing directory, or one made by an older recipe, is (re)built; a user's own is kept.
+    if not config.model.startswith("builtin:") and (
+        not model_dir.exists() or (model_dir / RECIPE_FILE).exists()
+    ):
+        ensure_warmstart(model_dir)
+    if not any(a.startswith("name=") for a in overrides):
+        config.name = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    trainer = UnifiedTrainer(config)
+    started = time.monotonic()
+    result = trainer.fit()
+    minutes = (time.monotonic() - started) / 60
+    summary = summarize(result.run_dir)
+    reference = baselines(trainer.eval_tasks)
+    curves = plot_run(result.run_dir)
     n = len(trainer.eval_tasks)
     print(
         f"\ncountdown, {config.mode} on {config.backend}: {result.steps} steps in {minutes:.1f} min"

@@ -33,7 +33,8 @@ def summarize(run_dir: Path, *, last: int = 3) -> dict[str, float]:
     if not evals:
         raise UsageError(f"{run_dir} has no evaluation; set trainer.eval_every and data.eval")
     before = evals[0][1] if evals[0][0] == 0 else float("nan")
-    tail = [acc for _, acc in evals[-last:]]
+    trained = [acc for step, acc in evals if step > 0] or [evals[-1][1]]
+    tail = trained[-last:]
     return {"before": before, "after": sum(tail) / len(tail), "evals_averaged": float(len(tail))}
 
 

@@ -168,12 +168,18 @@ class BanditBackend(BackendProtocol):
         self.sampler_version = version
 
     async def save_checkpoint(self, directory: Path) -> None:
-        state = {"train": self.train_logits, "sampler": self.sampler_logits, "grad": self.grad}
+        state = {
+            "train": self.train_logits,
+            "sampler": self.sampler_logits,
+            "sampler_version": self.sampler_version,
+            "grad": self.grad,
+        }
         (directory / "bandit.json").write_text(json.dumps(state))
 
     async def load_checkpoint(self, directory: Path) -> None:
         state = json.loads((directory / "bandit.json").read_text())
         self.train_logits, self.sampler_logits = state["train"], state["sampler"]
+        self.sampler_version = state["sampler_version"]
         self.grad = state["grad"]
 
     async def shutdown(self) -> None:

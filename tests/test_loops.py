@@ -338,3 +338,37 @@ def test_time_budget_ends_the_run_between_steps_with_a_final_eval(
     result = fit(config, backend, eval_tasks=bandit_tasks(3, prefix="e"))
     assert 0 < result.steps < 10_000
     assert "eval/accuracy" in result.metrics, "the last step is evaluated like a final step"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_resume_mid_sync_window_keeps_the_staleness_bound(
+    make_config: ConfigFactory, mode: str
+) -> None:
+    window = {"max_staleness": 0, "sync_every": 2}
+    first = make_config(
+        name="mid", mode=mode, trainer={"total_steps": 3, "save_every": 1}, async_=window
+    )
+    fit(first, BanditBackend(latency=heavy_tailed_latency()))
+    second = make_config(
+        name="mid",
+        mode=mode,
+        resume=True,
+        trainer={"total_steps": 6, "save_every": 1},
+        async_=window,
+    )
+    result = fit(second, BanditBackend(latency=heavy_tailed_latency()))
+    entries = [e for e in ledger(result.run_dir) if e.outcome == "trained"]
+    assert len(entries) == 6 * 2
+    assert all(e.trainer_version == e.policy_version for e in entries), "s=0 holds across resume"
+
+
+def test_original_exception_keeps_its_cause(make_config: ConfigFactory) -> None:
+    async def wrapped(task: Task, model: RolloutEngine) -> Trajectory:
+        try:
+            raise KeyError("inner")
+        except KeyError as e:
+            raise RuntimeError("outer") from e
+
+    with pytest.raises(RuntimeError, match="outer") as info:
+        fit(make_config(mode="async"), BanditBackend(), workflow=wrapped)
+    assert isinstance(info.value.__cause__, KeyError)

@@ -85,8 +85,12 @@ class SyncCoordinator:
         return self._wanted is None or self.alive < self._wanted
 
     async def admit(self) -> int:
-        """Wait until a group may be dispatched; register it and return its version stamp."""
-        await self.wait_until(self.can_dispatch, "an admission slot")
+        """Wait until a group may be dispatched; register it and return its version stamp.
+
+        No stall clock here: slots are freed by the consumer (training, evaluating, saving), and
+        each of the consumer's own waits has its deadline.
+        """
+        await self.wait_until(self.can_dispatch, "an admission slot", stall_timeout=None)
         self._alive[self.version] += 1
         self._generating += 1
         self._mark_busy()
@@ -148,6 +152,12 @@ class SyncCoordinator:
         """Wait until no dispatched group is still generating."""
         await self.wait_until(lambda: self._generating == 0, "in-flight groups to finish")
 
+    def restore(self, version: int, *, taken_since_sync: int) -> None:
+        """Resume: weights of `version` are visible and this many groups were trained since."""
+        self.version = version
+        self._taken = taken_since_sync
+        self._notify()
+
     def synced(self, version: int) -> None:
         """Weights of `version` are now visible to sampling; a new window of slots opens."""
         self.version = version
@@ -180,16 +190,22 @@ class SyncCoordinator:
 
     # -- waiting -----------------------------------------------------------------------------
 
-    async def wait_until(self, predicate: Callable[[], bool], what: str) -> None:
-        """Wait until `predicate()` holds; fail if nothing changes for `stall_timeout` seconds."""
+    async def wait_until(
+        self, predicate: Callable[[], bool], what: str, *, stall_timeout: float | None = -1.0
+    ) -> None:
+        """Wait until `predicate()` holds; fail if nothing changes for `stall_timeout` seconds.
+
+        The default is the coordinator's `stall_timeout`; None waits without a clock.
+        """
+        limit = self._stall_timeout if stall_timeout == -1.0 else stall_timeout
         while not predicate():
             changed = self._changed
             try:
-                async with asyncio.timeout(self._stall_timeout):
+                async with asyncio.timeout(limit):
                     await changed.wait()
             except TimeoutError:
                 raise StallError(
-                    f"waited {self._stall_timeout:g} s for {what} with no progress "
+                    f"waited {limit:g} s for {what} with no progress "
                     f"(alive={self.alive}, generating={self._generating}, version={self.version}); "
                     "raise trainer.stall_timeout if steps are legitimately this slow"
                 ) from None

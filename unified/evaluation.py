@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 
 from unified.protocol import RolloutEngine
 from unified.rollout import SamplingEngine, WorkflowFn, run_episode
@@ -37,15 +38,18 @@ async def evaluate(
     seed: int,
     version: int,
     timeout_s: float,
-    max_concurrency: int,
+    slot: Callable[[], AbstractAsyncContextManager[None]],
 ) -> dict[str, float]:
-    """`eval/accuracy`, `eval/reward` and `time/eval` over one episode per task."""
+    """`eval/accuracy`, `eval/reward`, `eval/errors` and `time/eval`, one episode per task.
+
+    `slot()` is held around each run: the trainer passes the coordinator's workflow slot, so
+    evaluation shares `max_concurrency` and `dispatch_rate` with training.
+    """
     started = time.monotonic()
-    slots = asyncio.Semaphore(max_concurrency)
     episodes: list[Episode] = []
 
     async def one(index: int, task: Task) -> None:
-        async with slots:
+        async with slot():
             view = SamplingEngine(engine, sampling, seed + index)
             episode, _ = await run_episode(
                 workflow, task, view, rollout_index=0, version=version, timeout_s=timeout_s
@@ -59,5 +63,6 @@ async def evaluate(
     return {
         "eval/accuracy": sum(map(is_correct, episodes)) / max(1, len(episodes)),
         "eval/reward": sum(rewards) / len(rewards) if rewards else 0.0,
+        "eval/errors": float(sum(e.status != "ok" for e in episodes)),
         "time/eval": time.monotonic() - started,
     }

@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from unified.errors import BackendError, UsageError
+from unified.errors import BackendError, UsageError, WorkflowError
 from unified.imports import import_object
 from unified.protocol import RolloutEngine, Tokenizer
 from unified.types import Episode, ModelOutput, SamplingParams, Task, Trajectory
@@ -123,5 +123,7 @@ def _as_trajectories(result: Any) -> list[Trajectory]:
     items = result if isinstance(result, list) else [result]
     if not items or not all(isinstance(t, Trajectory) for t in items):
         got = type(result).__name__
-        raise TypeError(f"workflow returned {got}; it must return a Trajectory (or a list of them)")
+        raise WorkflowError(
+            f"workflow returned {got}; it must return a Trajectory (or a list of them)"
+        )
     return list(items)

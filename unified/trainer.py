@@ -81,6 +81,7 @@ class UnifiedTrainer:
     async def fit_async(self) -> TrainResult:
         """Train to `trainer.total_steps` on the running event loop."""
         loop: _Loop | None = None
+        error: BaseException | None = None
         try:
             checkpoint = await asyncio.to_thread(
                 self.run.create, self.config.to_yaml(), resume=self.config.resume
@@ -90,13 +91,20 @@ class UnifiedTrainer:
             await loop.start(checkpoint)
             await (loop.run_sync() if self.config.mode == "sync" else loop.run_async())
         except BaseExceptionGroup as group:
-            raise _first_cause(group) from None
-        finally:
-            try:
-                await self.backend.shutdown()
-            finally:
-                if loop is not None:
-                    await asyncio.to_thread(loop.metrics.close)
+            error = _first_cause(group)
+        except BaseException as e:
+            error = e
+        try:
+            await self.backend.shutdown()
+            if loop is not None:
+                await asyncio.to_thread(loop.metrics.close)
+        except Exception as e:
+            if error is None:
+                raise
+            error.add_note(f"unified: the backend's shutdown also failed: {e!r}")
+        if error is not None:
+            raise error
+        assert loop is not None
         return TrainResult(steps=loop.step, metrics=loop.last_metrics, run_dir=self.run.path)
 
 
@@ -172,6 +180,7 @@ class _Loop:
         self.episodes_failed = 0
         self.tokens = 0
         self.last_metrics: dict[str, float] = {}
+        self._time_up = False
         self._step_started = self._started = time.monotonic()
 
     # -- set-up and resume ----------------------------------------------------------------
@@ -185,8 +194,10 @@ class _Loop:
             self.sampler.load_state_dict(state.sampler)
             by_id = {task.id: task for task in self.trainer.train_tasks}
             self.redispatch = [by_id[i] for i in state.redispatch if i in by_id]
-            self.coordinator.synced(state.version)
-            await self.backend.on_policy_updated(state.version)
+            # The backend restored its sampler (weights and version) itself; reopen the window
+            # at the point of the sync cycle the checkpoint was taken.
+            taken = (state.step % self.a.sync_every) * self.t.batch_size
+            self.coordinator.restore(state.version, taken_since_sync=taken)
         if self.step == 0 and self.t.eval_before_train and self.trainer.eval_tasks:
             await self._log(await self._evaluate())
         self._set_wanted(0)
@@ -353,9 +364,10 @@ class _Loop:
             sync_s = await self._sync_weights()
         self._set_wanted(0)
         staleness = [version - group.policy_version for _, group in items]
-        now = time.monotonic()
-        step_s = now - self._step_started
-        self._step_started = now
+        step_s = time.monotonic() - self._step_started
+        budget = self.t.max_time_s
+        # Decided once per step, so the final eval and save see the same answer as the loop.
+        self._time_up = budget is not None and time.monotonic() - self._started >= budget
         self.metrics.record_many(
             {
                 "groups/trained": float(len(items)),
@@ -388,14 +400,13 @@ class _Loop:
         await self._log(metrics)
         if self.t.save_every and (self.step % self.t.save_every == 0 or self.finished):
             await self._save()
+        # Evaluation, logging and saving belong to no step's timing.
+        self._step_started = time.monotonic()
 
     @property
     def finished(self) -> bool:
-        """All `total_steps` done, or the `max_time_s` budget spent (checked between steps)."""
-        if self.step >= self.t.total_steps:
-            return True
-        budget = self.t.max_time_s
-        return budget is not None and time.monotonic() - self._started >= budget
+        """All `total_steps` done, or the `max_time_s` budget spent by the last step."""
+        return self.step >= self.t.total_steps or self._time_up
 
     def _eval_due(self) -> bool:
         every = self.t.eval_every
@@ -444,7 +455,7 @@ class _Loop:
             seed=self.t.seed,
             version=self.coordinator.version,
             timeout_s=self.t.workflow_timeout,
-            max_concurrency=self.a.max_concurrency,
+            slot=self.coordinator.workflow_slot,
         )
 
     async def _log(self, metrics: dict[str, float]) -> None:

@@ -62,6 +62,9 @@ class ModelOutput(_Model):
     finish_reason: FinishReason
     policy_version: int = Field(ge=0)
     token_versions: list[int] | None = None
+    temperature: float | None = Field(
+        None, description="Sampling temperature the logprobs are under, if the backend says."
+    )
 
     @model_validator(mode="after")
     def _lengths_agree(self) -> ModelOutput:
@@ -72,7 +75,7 @@ class ModelOutput(_Model):
             raise ValueError(
                 f"token_versions has {len(self.token_versions)} entries for {n} completion tokens"
             )
-        if any(math.isnan(lp) or lp > 1e-6 for lp in self.logprobs):
+        if any(not math.isfinite(lp) or lp > 1e-6 for lp in self.logprobs):
             raise ValueError("logprobs must be finite log-probabilities (<= 0)")
         return self
 

@@ -13,6 +13,8 @@ import asyncio
 import copy
 import json
 import math
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -50,15 +52,18 @@ class LocalConfig(BaseModel):
 class _Sample:
     """One model call of a trajectory, ready to be scored by the trainer model."""
 
-    __slots__ = ("advantage", "completion", "old_logprobs", "prompt")
+    __slots__ = ("advantage", "completion", "old_logprobs", "prompt", "temperature")
 
-    def __init__(self, prompt: list[int], completion: list[int], old: list[float], adv: float):
-        self.prompt, self.completion, self.old_logprobs, self.advantage = (
-            prompt,
-            completion,
-            old,
-            adv,
-        )
+    def __init__(
+        self,
+        prompt: list[int],
+        completion: list[int],
+        old: list[float],
+        adv: float,
+        temperature: float = 1.0,
+    ):
+        self.prompt, self.completion, self.old_logprobs = prompt, completion, old
+        self.advantage, self.temperature = adv, temperature
 
 
 class LocalEngine(RolloutEngine):
@@ -96,6 +101,7 @@ class LocalBackend(BackendProtocol):
     def __init__(self) -> None:
         self.settings = LocalConfig()
         self._grad_norm_denominator = 0.0
+        self._training = threading.Lock()
 
     async def setup(self, config: TrainerConfig) -> None:
         try:
@@ -114,7 +120,8 @@ class LocalBackend(BackendProtocol):
         use_cuda = s.device == "cuda" or (s.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda" if use_cuda else "cpu")
         model, self.tokenizer = load_policy(config.model, seed=s.seed)
-        self.model = model.to(self.device).train()
+        # eval(): no dropout while scoring, exactly like the sampler; gradients still flow.
+        self.model = model.to(self.device).eval()
         self.sampler = BatchingSampler(self.model, self.tokenizer, max_batch=s.max_batch)
         self.reference = None
         if config.trainer.kl_coef > 0:
@@ -135,20 +142,31 @@ class LocalBackend(BackendProtocol):
             group["lr"] = lr
 
     async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        return await asyncio.to_thread(self._forward_backward, groups)
+        return await asyncio.to_thread(self._locked, self._forward_backward, groups)
 
     async def optim_step(self) -> dict[str, float]:
-        return await asyncio.to_thread(self._optim_step)
+        return await asyncio.to_thread(self._locked, self._optim_step)
+
+    def _locked(self, fn: Callable[..., dict[str, float]], *args: Any) -> dict[str, float]:
+        # A cancelled caller does not stop the thread: shutdown waits on this lock for it.
+        with self._training:
+            return fn(*args)
 
     async def on_policy_updated(self, version: int) -> None:
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        await asyncio.to_thread(self.sampler.load_weights, state, version)
+        # load_state_dict copies, and no training call runs concurrently with a sync.
+        await asyncio.to_thread(self.sampler.load_weights, self.model.state_dict(), version)
 
     # -- training -----------------------------------------------------------------------------
 
     def _forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         samples = [
-            _Sample(s.output.prompt_ids, s.output.completion_ids, s.output.logprobs, adv)
+            _Sample(
+                s.output.prompt_ids,
+                s.output.completion_ids,
+                s.output.logprobs,
+                adv,
+                self._scoring_temperature(s.output.temperature),
+            )
             for g in groups
             for episode, adv in zip(g.episodes, g.advantages, strict=True)
             for trajectory in episode.trajectories
@@ -193,6 +211,13 @@ class LocalBackend(BackendProtocol):
         totals["tokens"] += float(len(logp_T))
         return norm
 
+    def _scoring_temperature(self, sampled_at: float | None) -> float:
+        """Score at the temperature the logprobs were sampled under; plain likelihood for SFT."""
+        if self.config.trainer.loss == "cross_entropy":
+            return 1.0
+        temperature = sampled_at if sampled_at is not None else self.temperature
+        return temperature if temperature > 0 else 1.0
+
     def _score(
         self, model: torch.nn.Module, chunk: list[_Sample], *, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -209,7 +234,7 @@ class LocalBackend(BackendProtocol):
         logp_parts, entropy_parts, lengths = [], [], []
         for i, s in enumerate(chunk):
             p, c = len(s.prompt), len(s.completion)
-            rows = torch.log_softmax(logits[i, p - 1 : p - 1 + c].float() / self.temperature, -1)
+            rows = torch.log_softmax(logits[i, p - 1 : p - 1 + c].float() / s.temperature, -1)
             target = torch.tensor(s.completion, device=self.device)
             logp_parts.append(rows.gather(1, target[:, None])[:, 0])
             if with_entropy:
@@ -286,6 +311,9 @@ class LocalBackend(BackendProtocol):
     async def shutdown(self) -> None:
         if hasattr(self, "sampler"):
             await self.sampler.wait_idle()
+        # Wait (bounded) for a training call whose caller was cancelled to finish.
+        if await asyncio.to_thread(self._training.acquire, True, 600.0):
+            self._training.release()
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

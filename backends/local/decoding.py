@@ -56,6 +56,9 @@ class Qwen2Stepper:
             and rope.get("rope_type", "default") == "default"
             and not getattr(cfg, "use_sliding_window", False)
             and getattr(cfg, "hidden_act", "silu") == "silu"
+            # Llama variants with o_proj or MLP biases take the generic path.
+            and not getattr(cfg, "attention_bias", False)
+            and not getattr(cfg, "mlp_bias", False)
         )
 
     def __init__(self, model: PreTrainedModel, batch: int, max_len: int) -> None:
@@ -69,28 +72,30 @@ class Qwen2Stepper:
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.eps = cfg.rms_norm_eps
-        dtype = self.embed.weight.dtype
+        dtype, device = self.embed.weight.dtype, self.embed.weight.device
         self.fused = [_fuse(layer) for layer in self.layers]
         shape = (len(self.layers), batch, self.kv_heads, max_len, self.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
-        self.key_bias_BT = torch.zeros(batch, max_len, dtype=dtype)  # 0 visible, -inf hidden
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # 0 where a key is visible, -inf where it is padding.
+        self.key_bias_BT = torch.zeros(batch, max_len, dtype=dtype, device=device)
         inv_freq = inner.rotary_emb.inv_freq.float()
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        positions = torch.arange(max_len, dtype=torch.float32, device=inv_freq.device)
+        freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
         self.length = 0
-        self.next_pos_B = torch.zeros(batch, dtype=torch.long)
+        self.next_pos_B = torch.zeros(batch, dtype=torch.long, device=device)
 
     def prefill(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
         B, L = ids_BL.shape
         valid = mask_BL.bool()
         pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
         self.key_bias_BT[:, :L] = torch.where(valid, 0.0, float("-inf"))
-        causal = torch.ones(L, L, dtype=torch.bool).tril()
+        causal = torch.ones(L, L, dtype=torch.bool, device=valid.device).tril()
         # Pad queries may see themselves, so no row is fully masked (that would give NaNs).
-        allowed = causal & (valid[:, None, :] | torch.eye(L, dtype=torch.bool))
-        bias = torch.zeros(B, 1, L, L, dtype=self.k.dtype)
+        allowed = causal & (valid[:, None, :] | torch.eye(L, dtype=torch.bool, device=valid.device))
+        bias = torch.zeros(B, 1, L, L, dtype=self.k.dtype, device=valid.device)
         bias = bias.masked_fill(~allowed[:, None], -torch.inf)
         hidden = self._forward(ids_BL, pos_BL, 0, bias)
         self.length = L
@@ -98,9 +103,8 @@ class Qwen2Stepper:
         return self.lm_head(self.norm(hidden[:, -1]))  # type: ignore[no-any-return]
 
     def keep(self, rows: torch.Tensor) -> bool:
-        end = self.length
-        self.k = self.k[:, rows].contiguous() if end else self.k[:, rows]
-        self.v = self.v[:, rows].contiguous() if end else self.v[:, rows]
+        self.k = self.k[:, rows]
+        self.v = self.v[:, rows]
         self.key_bias_BT = self.key_bias_BT[rows]
         self.next_pos_B = self.next_pos_B[rows]
         return True
@@ -174,7 +178,10 @@ class _FusedLayer:
 def _fuse(layer: Any) -> _FusedLayer:
     attn, mlp = layer.self_attn, layer.mlp
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in projections]
+    biases = [
+        p.bias if p.bias is not None else torch.zeros(p.out_features, device=p.weight.device)
+        for p in projections
+    ]
     has_bias = any(p.bias is not None for p in projections)
     return _FusedLayer(
         norm1=layer.input_layernorm.weight,

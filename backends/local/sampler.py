@@ -58,18 +58,20 @@ def generate_batch(
             f"{max_positions} positions; shorten the prompt or lower sampling max_tokens"
         )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    device = next(model.parameters()).device
     ids_BL = torch.full((B, L), pad, dtype=torch.long)
     mask_BL = torch.zeros(B, L, dtype=torch.long)
     for b, r in enumerate(requests):
         if r.prompt_ids:
             ids_BL[b, L - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
             mask_BL[b, L - len(r.prompt_ids) :] = 1
-    temperature_B = torch.tensor([r.params.temperature for r in requests])
+    ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
+    temperature_B = torch.tensor([r.params.temperature for r in requests], device=device)
     greedy_B = temperature_B == 0
     safe_t_B = torch.where(greedy_B, 1.0, temperature_B)[:, None]
-    top_p_B = torch.tensor([r.params.top_p for r in requests])
+    top_p_B = torch.tensor([r.params.top_p for r in requests], device=device)
     any_top_p = bool((top_p_B < 1).any())
-    uniforms_BN = torch.stack([_uniforms(r.params.seed, max_new) for r in requests])
+    uniforms_BN = torch.stack([_uniforms(r.params.seed, max_new) for r in requests]).to(device)
     eos = {t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None}
 
     stepper = make_stepper(model, B, L + max_new)
@@ -96,9 +98,9 @@ def generate_batch(
         keep = [i for i, b in enumerate(rows) if finish[b] is None]
         if not keep:
             break
-        if len(keep) <= len(rows) * 3 // 4 and stepper.keep(torch.tensor(keep)):
+        if len(keep) <= len(rows) * 3 // 4 and stepper.keep(torch.tensor(keep, device=device)):
             # Finished rows leave the batch: no more compute spent on them.
-            index = torch.tensor(keep)
+            index = torch.tensor(keep, device=device)
             rows = [rows[i] for i in keep]
             next_B, safe_t_B, greedy_B = next_B[index], safe_t_B[index], greedy_B[index]
             top_p_B, uniforms_BN = top_p_B[index], uniforms_BN[index]
@@ -111,6 +113,7 @@ def generate_batch(
             logprobs=[min(0.0, lp) for lp in logprobs[b]],
             finish_reason=finish[b] or "length",
             policy_version=version,
+            temperature=r.params.temperature,
         )
         for b, r in enumerate(requests)
     ]
@@ -197,6 +200,13 @@ class BatchingSampler:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
         """Sample one completion; batched with whatever else is waiting."""
+        needed = len(prompt_ids) + params.max_tokens
+        if self.max_positions is not None and needed > self.max_positions:
+            # Checked per request, so one oversized request cannot fail the batch it would join.
+            raise UsageError(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the "
+                f"model's {self.max_positions} positions; shorten the prompt or lower max_tokens"
+            )
         loop = asyncio.get_running_loop()
         request = Request(list(prompt_ids), params, loop.create_future())
         assert request.future is not None

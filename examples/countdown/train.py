@@ -54,7 +54,8 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
         not model_dir.exists() or (model_dir / RECIPE_FILE).exists()
     ):
         ensure_warmstart(model_dir)
-    if not any(a.startswith("name=") for a in overrides):
+    # A fresh run gets its own timestamped directory; resume=true continues the named one.
+    if not config.resume and not any(a.startswith("name=") for a in overrides):
         config.name = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     trainer = UnifiedTrainer(config)
     started = time.monotonic()

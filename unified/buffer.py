@@ -83,11 +83,6 @@ class TrajectoryGroupBuffer:
         """Forget a group whose episodes were cancelled (the run is ending)."""
         self._pending.pop(group_id, None)
 
-    @property
-    def ready_count(self) -> int:
-        """Groups waiting to be trained."""
-        return len(self._ready)
-
     def pop_ready(
         self, may_take: Callable[[int], bool]
     ) -> tuple[GroupTicket, TrajectoryGroup] | None:

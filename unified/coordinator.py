@@ -69,11 +69,6 @@ class SyncCoordinator:
         return sum(self._alive.values())
 
     @property
-    def generating(self) -> int:
-        """Groups whose workflows have not all finished."""
-        return self._generating
-
-    @property
     def running(self) -> int:
         """Workflow runs executing now."""
         return self._running

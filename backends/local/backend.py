@@ -173,7 +173,14 @@ class LocalBackend(BackendProtocol):
             for s in trajectory.steps
             if s.output.completion_ids
         ]
-        totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0, "tokens": 0.0}
+        totals = {
+            "loss": 0.0,
+            "kl": 0.0,
+            "entropy": 0.0,
+            "clipped": 0.0,
+            "ratio": 0.0,
+            "tokens": 0.0,
+        }
         step_norm = 0.0
         for start in range(0, len(samples), self.settings.micro_batch):
             chunk = samples[start : start + self.settings.micro_batch]
@@ -185,6 +192,7 @@ class LocalBackend(BackendProtocol):
             "train/kl_sample_train": totals["kl"] / n,
             "train/entropy": totals["entropy"] / n,
             "train/clip_frac": totals["clipped"] / n,
+            "train/ratio_mean": totals["ratio"] / n,
         }
 
     def _backward_chunk(self, chunk: list[_Sample], totals: dict[str, float]) -> float:
@@ -208,6 +216,7 @@ class LocalBackend(BackendProtocol):
         totals["kl"] += float((old_T - logp_T.detach()).sum())
         totals["entropy"] += float(entropy_T.detach().sum())
         totals["clipped"] += float(terms.clipped_T.sum())
+        totals["ratio"] += float(terms.ratio_T.sum())
         totals["tokens"] += float(len(logp_T))
         return norm
 

@@ -85,7 +85,7 @@ class SyncCoordinator:
         No stall clock here: slots are freed by the consumer (training, evaluating, saving), and
         each of the consumer's own waits has its deadline.
         """
-        await self.wait_until(self.can_dispatch, "an admission slot", stall_timeout=None)
+        await self.wait_until(self.can_dispatch, "an admission slot", stall_clock=False)
         self._alive[self.version] += 1
         self._generating += 1
         self._mark_busy()
@@ -186,13 +186,13 @@ class SyncCoordinator:
     # -- waiting -----------------------------------------------------------------------------
 
     async def wait_until(
-        self, predicate: Callable[[], bool], what: str, *, stall_timeout: float | None = -1.0
+        self, predicate: Callable[[], bool], what: str, *, stall_clock: bool = True
     ) -> None:
         """Wait until `predicate()` holds; fail if nothing changes for `stall_timeout` seconds.
 
-        The default is the coordinator's `stall_timeout`; None waits without a clock.
+        `stall_clock=False` waits without that clock, for waits that only others can end.
         """
-        limit = self._stall_timeout if stall_timeout == -1.0 else stall_timeout
+        limit = self._stall_timeout if stall_clock else None
         while not predicate():
             changed = self._changed
             try:

@@ -127,3 +127,15 @@ async def test_dispatch_rate_spaces_workflow_starts() -> None:
             tg.create_task(workflow())
     elapsed = starts[-1] - starts[0]
     assert elapsed >= (len(starts) - 1) / rate * 0.9, f"6 starts took only {elapsed:.3f} s"
+
+
+async def test_admission_outwaits_the_stall_clock_while_the_consumer_is_busy() -> None:
+    c = coordinator(max_staleness=0, stall_timeout=0.05)
+    for _ in range(2):
+        await c.admit()
+    waiter = asyncio.create_task(c.admit())
+    done, _ = await asyncio.wait([waiter], timeout=0.2)  # four stall periods pass
+    assert not done, "a busy consumer (eval, save) must not fail the producer"
+    c.resolve(0)
+    async with asyncio.timeout(5):
+        assert await waiter == 0

@@ -82,10 +82,10 @@ async def test_sampling_honours_seed_greedy_max_tokens_and_stop() -> None:
     short = await sample(backend, PROMPTS[2], 3, max_tokens=3)
     assert len(short.completion_ids) <= 3
     full = await sample(backend, PROMPTS[2], 5, max_tokens=8)
-    stop = full.text[2:3] if len(full.text) > 2 else None
-    if stop:
-        cut = await sample(backend, PROMPTS[2], 5, max_tokens=8, stop=[stop])
-        assert stop not in cut.text and cut.finish_reason == "stop"
+    assert len(full.text) > 2, f"need a few characters to pick a stop string from: {full.text!r}"
+    stop = full.text[2]
+    cut = await sample(backend, PROMPTS[2], 5, max_tokens=8, stop=[stop])
+    assert stop not in cut.text and cut.finish_reason == "stop"
     await backend.shutdown()
 
 

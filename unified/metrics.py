@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import numpy as np
 
-from unified.config import LoggingConfig
+from unified.config import LoggingConfig, TrainerConfig
 from unified.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ __all__ = [
     "TensorBoardSink",
     "WandbSink",
     "build_sinks",
+    "metrics_for",
 ]
 
 METRIC_NAMES: tuple[str, ...] = (
@@ -377,3 +378,18 @@ def build_sinks(
         _close_all(sinks)
         raise
     return sinks
+
+
+def metrics_for(config: TrainerConfig) -> MetricsAggregator:
+    """The aggregator with every sink `config.logging` asks for, in `config.run_path`.
+
+    Blocking (W&B starts its run here): call it through `asyncio.to_thread` on an event loop.
+    """
+    sinks = build_sinks(
+        config.logging,
+        config.run_path,
+        total_steps=config.trainer.total_steps,
+        run_name=config.name,
+        config=config.model_dump(mode="json", by_alias=True),
+    )
+    return MetricsAggregator(sinks)

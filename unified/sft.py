@@ -16,7 +16,7 @@ from typing import Any
 from unified.config import TrainerConfig
 from unified.data import TaskSampler, load_tasks
 from unified.errors import DataError
-from unified.metrics import MetricsAggregator, build_sinks
+from unified.metrics import metrics_for
 from unified.protocol import BackendProtocol, RolloutEngine, check_capabilities, create_backend
 from unified.schedule import learning_rate
 from unified.types import Episode, ModelOutput, Step, Task, Trajectory, TrajectoryGroup
@@ -73,17 +73,8 @@ async def run_sft(
         examples if examples is not None else await asyncio.to_thread(load_tasks, config.data.train)
     )
     sampler = TaskSampler(tasks, seed=config.trainer.seed)
-    run_path = config.run_path
-    run_path.mkdir(parents=True, exist_ok=True)
-    metrics = MetricsAggregator(
-        build_sinks(
-            config.logging,
-            run_path,
-            total_steps=config.trainer.total_steps,
-            run_name=config.name,
-            config=config.model_dump(mode="json", by_alias=True),
-        )
-    )
+    await asyncio.to_thread(config.run_path.mkdir, parents=True, exist_ok=True)
+    metrics = await asyncio.to_thread(metrics_for, config)
     try:
         await backend.setup(config)
         engine = backend.rollout_engine()

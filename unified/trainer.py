@@ -25,7 +25,7 @@ from unified.coordinator import SyncCoordinator
 from unified.data import TaskSampler, load_tasks
 from unified.errors import UnifiedError
 from unified.evaluation import evaluate
-from unified.metrics import MetricsAggregator, build_sinks
+from unified.metrics import MetricsAggregator, metrics_for
 from unified.protocol import BackendProtocol, check_capabilities, create_backend
 from unified.rollout import SamplingEngine, WorkflowFn, resolve_workflow, run_episode
 from unified.schedule import learning_rate
@@ -86,7 +86,7 @@ class UnifiedTrainer:
             checkpoint = await asyncio.to_thread(
                 self.run.create, self.config.to_yaml(), resume=self.config.resume
             )
-            loop = _Loop(self)
+            loop = _Loop(self, await asyncio.to_thread(metrics_for, self.config))
             await self.backend.setup(self.config)
             await loop.start(checkpoint)
             await (loop.run_sync() if self.config.mode == "sync" else loop.run_async())
@@ -141,21 +141,13 @@ def _entry(
 class _Loop:
     """The state of one `fit` call: coordinator, buffer, sampler, counters and both loops."""
 
-    def __init__(self, trainer: UnifiedTrainer) -> None:
+    def __init__(self, trainer: UnifiedTrainer, metrics: MetricsAggregator) -> None:
         self.trainer = trainer
         self.config = cfg = trainer.config
         self.t, self.a = cfg.trainer, cfg.async_
         self.backend = trainer.backend
         self.run = trainer.run
-        self.metrics = MetricsAggregator(
-            build_sinks(
-                cfg.logging,
-                cfg.run_path,
-                total_steps=self.t.total_steps,
-                run_name=cfg.name,
-                config=cfg.model_dump(mode="json", by_alias=True),
-            )
-        )
+        self.metrics = metrics
         self.coordinator = SyncCoordinator(
             batch_size=self.t.batch_size,
             sync_every=self.a.sync_every,

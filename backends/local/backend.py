@@ -240,17 +240,24 @@ class LocalBackend(BackendProtocol):
             ids[i, : len(q)] = torch.tensor(q)
             mask[i, : len(q)] = 1
         logits = model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-        logp_parts, entropy_parts, lengths = [], [], []
-        for i, s in enumerate(chunk):
-            p, c = len(s.prompt), len(s.completion)
-            rows = torch.log_softmax(logits[i, p - 1 : p - 1 + c].float() / s.temperature, -1)
-            target = torch.tensor(s.completion, device=self.device)
-            logp_parts.append(rows.gather(1, target[:, None])[:, 0])
-            if with_entropy:
-                entropy_parts.append(-(rows.exp() * rows).sum(-1))
-            lengths.append(c)
-        logp_T = torch.cat(logp_parts)
-        entropy_T = torch.cat(entropy_parts) if with_entropy else torch.zeros_like(logp_T)
+        # One gather for every completion token of the chunk (row i, position p-1+j predicts
+        # token j): per-sample slicing would add autograd nodes per sample.
+        lengths = [len(s.completion) for s in chunk]
+        rows_T = torch.tensor([i for i, n in enumerate(lengths) for _ in range(n)])
+        positions_T = torch.tensor(
+            [len(s.prompt) - 1 + j for s in chunk for j in range(len(s.completion))]
+        )
+        targets_T = torch.tensor([t for s in chunk for t in s.completion], device=self.device)
+        temperatures_T = torch.tensor(
+            [s.temperature for s in chunk for _ in s.completion], device=self.device
+        )
+        picked = logits[rows_T.to(self.device), positions_T.to(self.device)].float()
+        log_probs = torch.log_softmax(picked / temperatures_T[:, None], -1)
+        logp_T = log_probs.gather(1, targets_T[:, None])[:, 0]
+        if with_entropy:
+            entropy_T = -(log_probs.exp() * log_probs).sum(-1)
+        else:
+            entropy_T = torch.zeros_like(logp_T)
         return logp_T, entropy_T, lengths
 
     def _optim_step(self) -> dict[str, float]:

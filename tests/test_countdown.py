@@ -25,7 +25,12 @@ from examples.countdown import (
     warmstart_examples,
     write_jsonl,
 )
-from examples.countdown.baselines import baselines, best_fixed_pattern, main
+from examples.countdown.baselines import (
+    baselines,
+    best_fixed_pattern,
+    best_pattern_by_target_band,
+    main,
+)
 from examples.countdown.expressions import random_tree, render
 from unified.data import load_tasks
 from unified.protocol import RolloutEngine
@@ -303,6 +308,24 @@ def test_best_fixed_pattern_finds_a_pattern_every_task_follows() -> None:
     assert name.startswith("prompt:"), name
 
 
+def test_best_pattern_by_target_band_gives_each_band_its_own_pattern() -> None:
+    rng = random.Random(1)
+    tasks = []
+    for i in range(40):
+        if i % 2:  # small numbers, summed: targets below 10
+            a, b, c = (rng.randint(1, 3) for _ in range(3))
+            target = a + b + c
+        else:  # large numbers, multiplied: targets of 1000 and more
+            a, b, c = (rng.randint(10, 20) for _ in range(3))
+            target = a * b * c
+        tasks.append(Task(id=str(i), data={"numbers": [a, b, c], "target": target}))
+    _, single = best_fixed_pattern(tasks)
+    assert single < 1.0
+    assert best_pattern_by_target_band(tasks, width=1000) == 1.0
+    with pytest.raises(ValueError, match="width"):
+        best_pattern_by_target_band(tasks, width=0)
+
+
 def test_baselines_command_prints_and_writes_the_figures(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -313,6 +336,7 @@ def test_baselines_command_prints_and_writes_the_figures(
         "random_valid_expression",
         "best_fixed_pattern",
         "best_fixed_pattern_name",
+        "best_pattern_by_target_band",
     }
 
 
@@ -352,13 +376,14 @@ def test_workflow_messages_hold_the_prompt() -> None:
 
 @pytest.mark.parametrize(
     ("reply", "reward", "correct"),
-    [("3*7+12", 1.0, True), ("3+7+12", 0.1, False), ("33", 0.0, False)],
+    # 3+7+12 = 22 misses 33 by a third: format 0.1 + closeness 0.45 * (1 - 1/3).
+    [("3*7+12", 1.0, True), ("3+7+12", 0.4, False), ("33", 0.0, False)],
 )
 async def test_workflow_run_scores_the_reply(reply: str, reward: float, correct: bool) -> None:
     task = Task(id="t", data={"numbers": [3, 7, 12], "target": 33})
     engine = ReplyEngine(reply)
     trajectory = await CountdownWorkflow().run(task, engine)
-    assert trajectory.reward == reward
+    assert trajectory.reward == pytest.approx(reward)
     assert trajectory.steps[0].info == {"correct": correct}
     assert engine.seen == [[{"role": "user", "content": "3 7 12 -> 33"}]]
 
@@ -376,3 +401,13 @@ def test_closeness_reward_pays_more_for_a_nearer_miss() -> None:
     close, _ = countdown_reward("3+5*7", data, format_reward=0.1, closeness_reward=0.3)  # 38
     far, _ = countdown_reward("3*5*7", data, format_reward=0.1, closeness_reward=0.3)  # 105
     assert near == 1.0 and 0.1 < close < 0.4 and far == 0.1
+
+
+def test_closeness_reward_credits_integer_misses_only_and_floors_small_targets() -> None:
+    data = {"numbers": [2, 3, 4], "target": 5}
+    # 2/3+4 is 4.67, nearer 5 than any integer miss, but a fraction can never hit: format only.
+    fraction, _ = countdown_reward("2/3+4", data, format_reward=0.1, closeness_reward=0.3)
+    assert fraction == 0.1
+    # 2+3+4 = 9 misses 5 by 4; small targets are measured against 10, not 5.
+    integer, _ = countdown_reward("2+3+4", data, format_reward=0.1, closeness_reward=0.3)
+    assert integer == pytest.approx(0.1 + 0.3 * (1 - 4 / 10))

@@ -5,7 +5,8 @@ It is accepted only if it is at most `MAX_ANSWER_CHARS` ASCII characters of digi
 parentheses and spaces, parses (`ast.parse`, never `eval`) into nothing but binary `+ - * /` over
 non-negative integer literals, uses the task's numbers exactly once each (as a multiset), and has
 a finite exact value (`fractions.Fraction`). Scores: 1.0 when that value is the target,
-`format_reward` when it is not, 0.0 for anything else. Scoring never raises on any reply text.
+`format_reward` (plus, for an integer, a closeness bonus) when it is not, 0.0 for anything else.
+Scoring never raises on any reply text.
 """
 
 from __future__ import annotations
@@ -20,10 +21,19 @@ from typing import Any
 from examples.countdown.expressions import apply
 from examples.countdown.tasks import problem_of
 
-__all__ = ["MAX_ANSWER_CHARS", "answer_of", "countdown_reward", "parse_expression"]
+__all__ = [
+    "CLOSENESS_SCALE_FLOOR",
+    "MAX_ANSWER_CHARS",
+    "answer_of",
+    "countdown_reward",
+    "parse_expression",
+]
 
 MAX_ANSWER_CHARS = 64
 """Longer answers are rejected unparsed: no countdown solution needs more, and it bounds work."""
+
+CLOSENESS_SCALE_FLOOR = 10
+"""A miss is measured relative to the target, but never to less than this (small targets)."""
 
 _ANSWER_CHARS = re.compile(r"[0-9+\-*/() ]+")
 _OPERATORS: dict[type[ast.operator], str] = {
@@ -73,9 +83,12 @@ def countdown_reward(
     """`(reward, correct)` for a reply to the task with `data` `{"numbers", "target"}`.
 
     `(1.0, True)` when the answer hits the target; a valid expression over the numbers that misses
-    it earns `format_reward` plus up to `closeness_reward` the nearer its value is to the target
-    (a dense signal that depends on the target); anything else is `(0.0, False)`. Malformed task
-    data (not the reply) raises ValueError: that is a dataset bug, not a bad answer.
+    it earns `format_reward`, and an integer miss up to `closeness_reward` more the nearer it is
+    to the target (`1 - |value - target| / max(target, 10)`, floored at 0): a dense signal that
+    depends on the target. Fractions get no closeness: they can never hit an integer target, and
+    crediting them teaches a policy to divide its way near small targets. Anything else is
+    `(0.0, False)`. Malformed task data (not the reply) raises ValueError: a dataset bug, not a
+    bad answer.
     """
     numbers, target = problem_of(data)
     value = parse_expression(text, numbers)
@@ -83,7 +96,9 @@ def countdown_reward(
         return 0.0, False
     if value == target:
         return 1.0, True
-    miss = abs(float(value) - target) / max(abs(target), 1)
+    if value.denominator != 1:
+        return format_reward, False
+    miss = abs(float(value) - target) / max(abs(target), CLOSENESS_SCALE_FLOOR)
     return format_reward + closeness_reward * max(0.0, 1.0 - miss), False
 
 

@@ -13,16 +13,21 @@ from examples.countdown.tasks import prompt
 from unified.types import Task
 from workflows.single_turn import SingleTurnWorkflow
 
-__all__ = ["CountdownShapedWorkflow", "CountdownSparseWorkflow", "CountdownWorkflow"]
+__all__ = ["CountdownFormatWorkflow", "CountdownSparseWorkflow", "CountdownWorkflow"]
 
 
 class CountdownWorkflow(SingleTurnWorkflow):
-    """Ask for an expression reaching the target; reward 1.0 on a hit, `format_reward` on a miss."""
+    """Ask for an expression reaching the target; 1.0 on a hit, partial credit for a near miss.
+
+    The closeness credit is what makes the policy look at the target: with hits alone, a tiny
+    model settles on the pattern that is right most often (`a+b+c`) whatever the target is
+    (docs/benchmarks.md).
+    """
 
     format_reward: float = 0.1
     """Reward for a valid expression over the numbers that misses the target."""
-    closeness_reward: float = 0.0
-    """Extra reward, up to this much, for a miss whose value is near the target."""
+    closeness_reward: float = 0.45
+    """Extra reward, up to this much, for an integer miss near the target (`countdown_reward`)."""
 
     def messages(self, task: Task) -> list[dict[str, Any]]:
         return [{"role": "user", "content": prompt(task.data)}]
@@ -36,13 +41,14 @@ class CountdownWorkflow(SingleTurnWorkflow):
         )
 
 
+class CountdownFormatWorkflow(CountdownWorkflow):
+    """Credit a well-formed miss, however far from the target: no closeness credit."""
+
+    closeness_reward = 0.0
+
+
 class CountdownSparseWorkflow(CountdownWorkflow):
     """Reward only exact hits: no credit for a well-formed miss."""
 
     format_reward = 0.0
-
-
-class CountdownShapedWorkflow(CountdownWorkflow):
-    """Also reward near misses, by how close their value is to the target."""
-
-    closeness_reward = 0.3
+    closeness_reward = 0.0

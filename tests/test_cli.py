@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,40 @@ def test_console_script_exits_2_on_a_bad_key(tmp_path: Path) -> None:
         cwd=DEMO.parent.parent,
     )
     assert proc.returncode == 2 and "unknown config key 'nope'" in proc.stderr, proc.stderr
+
+
+def test_eval_scores_a_checkpoint_as_the_run_did(
+    capsys: pytest.CaptureFixture[str], demo: list[str], tmp_path: Path
+) -> None:
+    assert run(capsys, "train", *demo, "trainer.total_steps=20")[0] == 0
+    run_dir = tmp_path / "runs" / "bandit-demo"
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["eval/accuracy"] for r in logged if "eval/accuracy" in r}
+    assert set(evals) >= {0, 20} and evals[0] != evals[20], evals
+
+    out_file = tmp_path / "eval.json"
+    code, out, err = run(
+        capsys, "eval", *demo, "--checkpoint", str(run_dir), "--json", str(out_file)
+    )
+    assert code == 0, err
+    assert json.loads(out) == json.loads(out_file.read_text())
+    assert json.loads(out)["eval/accuracy"] == evals[20], "the newest checkpoint, scored the same"
+
+    code, out, err = run(capsys, "eval", *demo)
+    assert code == 0, err
+    assert json.loads(out)["eval/accuracy"] == evals[0], "without a checkpoint: config.model"
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--checkpoint", "no/such/run"], "is neither a checkpoint"),
+        (["data.eval=null"], "unified eval needs eval tasks"),
+    ],
+)
+def test_eval_bad_input_is_one_line_and_exit_code_2(
+    capsys: pytest.CaptureFixture[str], demo: list[str], extra: list[str], expected: str
+) -> None:
+    code, _, err = run(capsys, "eval", *demo, *extra)
+    assert code == 2 and expected in err, err
+    assert len(err.strip().splitlines()) == 1

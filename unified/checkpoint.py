@@ -118,6 +118,19 @@ class RunDirectory:
         return final
 
     @staticmethod
+    def find_checkpoint(path: Path) -> Path:
+        """`path` itself if it is a checkpoint, else the newest checkpoint of the run at `path`."""
+        if (path / _STATE_FILE).is_file():
+            return path
+        latest = RunDirectory(path).latest_checkpoint()
+        if latest is None:
+            raise UsageError(
+                f"{str(path)!r} is neither a checkpoint (runs/<name>/checkpoints/step_N) nor a "
+                "run directory holding one; train with trainer.save_every > 0 to write them"
+            )
+        return latest
+
+    @staticmethod
     def load_state(checkpoint: Path) -> TrainerState:
         """Read the trainer state of a checkpoint directory."""
         return TrainerState.model_validate_json((checkpoint / _STATE_FILE).read_text())

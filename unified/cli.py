@@ -1,4 +1,4 @@
-"""The `unified` command: `unified train CONFIG [key=value ...] [--dry-run]`.
+"""The `unified` command: `train`, `sft`, `eval` and `plot` (`unified --help`).
 
 A usage error (bad config, data, import path or capability) prints one line and exits 2;
 a run that cannot make progress exits 1 with the reason; Ctrl-C exits 130.
@@ -31,6 +31,13 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("config", help="YAML config; data.train is a jsonl of {messages: [...]}")
     sft.add_argument("overrides", nargs="*", help="dotted overrides")
     sft.add_argument("--output", help="model directory to write (default: runs/<name>/model)")
+    evaluate = commands.add_parser("eval", help="evaluate a policy on the config's eval tasks")
+    evaluate.add_argument("config", help="YAML config; data.eval and sampling.eval are used")
+    evaluate.add_argument("overrides", nargs="*", help="dotted overrides")
+    evaluate.add_argument(
+        "--checkpoint", help="a checkpoint or a run directory (its newest); default: config.model"
+    )
+    evaluate.add_argument("--json", help="also write the metrics to this file")
     plot = commands.add_parser("plot", help="draw a run's curves into a PNG")
     plot.add_argument("run_dir", help="the run directory, runs/<name>")
     plot.add_argument("--output", help="PNG path (default: <run_dir>/curves.png)")
@@ -73,6 +80,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _train(args.config, args.overrides, dry_run=args.dry_run)
     if args.command == "sft":
         return _sft(args.config, args.overrides, output=args.output)
+    if args.command == "eval":
+        return _eval(args.config, args.overrides, checkpoint=args.checkpoint, json_path=args.json)
     from unified.plot import plot_run
 
     print(plot_run(args.run_dir, args.output))
@@ -111,6 +120,26 @@ def _sft(config_path: str, overrides: Sequence[str], *, output: str | None) -> i
     target = Path(output) if output else config.run_path / "model"
     asyncio.run(run_sft(config, output=target))
     print(f"wrote the fine-tuned model to {target}")
+    return 0
+
+
+def _eval(
+    config_path: str, overrides: Sequence[str], *, checkpoint: str | None, json_path: str | None
+) -> int:
+    import asyncio
+    import json
+    from pathlib import Path
+
+    from unified.config import load_config
+    from unified.evaluation import run_eval
+
+    config = load_config(config_path, overrides)
+    source = Path(checkpoint) if checkpoint else None
+    metrics = asyncio.run(run_eval(config, checkpoint=source))
+    text = json.dumps(metrics, indent=2)
+    print(text)
+    if json_path:
+        Path(json_path).write_text(text + "\n", encoding="utf-8")
     return 0
 
 

@@ -16,10 +16,14 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from asyncio_throttle.throttler import Throttler
 
 from unified.errors import StallError
+
+if TYPE_CHECKING:
+    from unified.config import TrainerConfig
 
 __all__ = ["SyncCoordinator"]
 
@@ -60,6 +64,19 @@ class SyncCoordinator:
             self._throttler = Throttler(rate_limit=1, period=1.0 / dispatch_rate)
         self._idle_since: float | None = time.monotonic()
         self._idle_s = 0.0
+
+    @classmethod
+    def for_config(cls, config: TrainerConfig) -> SyncCoordinator:
+        """The coordinator of a run: batch, sync window, staleness and limits from `config`."""
+        t, a = config.trainer, config.async_
+        return cls(
+            batch_size=t.batch_size,
+            sync_every=a.sync_every,
+            max_staleness=a.max_staleness,
+            max_concurrency=a.max_concurrency,
+            dispatch_rate=a.dispatch_rate,
+            stall_timeout=t.stall_timeout,
+        )
 
     # -- admission ---------------------------------------------------------------------------
 

@@ -11,12 +11,18 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 
-from unified.protocol import RolloutEngine
-from unified.rollout import SamplingEngine, WorkflowFn, run_episode
+from unified.checkpoint import RunDirectory
+from unified.config import TrainerConfig
+from unified.coordinator import SyncCoordinator
+from unified.data import load_tasks
+from unified.errors import ConfigError
+from unified.protocol import RolloutEngine, check_capabilities, create_backend
+from unified.rollout import SamplingEngine, WorkflowFn, resolve_workflow, run_episode
 from unified.types import Episode, SamplingParams, Task
 
-__all__ = ["evaluate", "is_correct"]
+__all__ = ["evaluate", "is_correct", "run_eval"]
 
 
 def is_correct(episode: Episode) -> bool:
@@ -66,3 +72,38 @@ async def evaluate(
         "eval/errors": float(sum(e.status != "ok" for e in episodes)),
         "time/eval": time.monotonic() - started,
     }
+
+
+async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> dict[str, float]:
+    """Evaluate `config.model` (or the policy of a checkpoint or run directory) on `data.eval`.
+
+    What `unified eval` runs: the same `evaluate` the trainer calls, with the config's workflow,
+    `sampling.eval`, `eval_limit`, concurrency limits and seed, so its figures match a run's.
+    """
+    if not config.data.eval:
+        raise ConfigError("unified eval needs eval tasks: set data.eval (a file or a generator)")
+    workflow = resolve_workflow(config.workflow)
+    backend = create_backend(config.backend)
+    check_capabilities(config, backend)
+    tasks = load_tasks(config.data.eval, what="data.eval")[: config.data.eval_limit]
+    source = RunDirectory.find_checkpoint(checkpoint) if checkpoint is not None else None
+    # Only its workflow slot is used: eval honours max_concurrency and dispatch_rate as in training.
+    coordinator = SyncCoordinator.for_config(config)
+    await backend.setup(config)
+    try:
+        version = 0
+        if source is not None:
+            version = RunDirectory.load_state(source).version
+            await backend.load_checkpoint(source / "backend")
+        return await evaluate(
+            workflow,
+            backend.rollout_engine(),
+            tasks,
+            config.sampling.eval,
+            seed=config.trainer.seed,
+            version=version,
+            timeout_s=config.trainer.workflow_timeout,
+            slot=coordinator.workflow_slot,
+        )
+    finally:
+        await backend.shutdown()

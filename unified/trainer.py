@@ -148,14 +148,7 @@ class _Loop:
         self.backend = trainer.backend
         self.run = trainer.run
         self.metrics = metrics
-        self.coordinator = SyncCoordinator(
-            batch_size=self.t.batch_size,
-            sync_every=self.a.sync_every,
-            max_staleness=self.a.max_staleness,
-            max_concurrency=self.a.max_concurrency,
-            dispatch_rate=self.a.dispatch_rate,
-            stall_timeout=self.t.stall_timeout,
-        )
+        self.coordinator = SyncCoordinator.for_config(cfg)
         self.buffer = TrajectoryGroupBuffer(
             group_size=self.t.group_size,
             advantage=self.t.advantage,

@@ -85,15 +85,18 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
     workflow = resolve_workflow(config.workflow)
     backend = create_backend(config.backend)
     check_capabilities(config, backend)
-    tasks = load_tasks(config.data.eval, what="data.eval")[: config.data.eval_limit]
-    source = RunDirectory.find_checkpoint(checkpoint) if checkpoint is not None else None
+    tasks = await asyncio.to_thread(load_tasks, config.data.eval, what="data.eval")
+    tasks = tasks[: config.data.eval_limit]
+    source = None
+    if checkpoint is not None:
+        source = await asyncio.to_thread(RunDirectory.find_checkpoint, checkpoint)
     # Only its workflow slot is used: eval honours max_concurrency and dispatch_rate as in training.
     coordinator = SyncCoordinator.for_config(config)
     await backend.setup(config)
     try:
         version = 0
         if source is not None:
-            version = RunDirectory.load_state(source).version
+            version = (await asyncio.to_thread(RunDirectory.load_state, source)).version
             await backend.load_checkpoint(source / "backend")
         return await evaluate(
             workflow,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from unified.checkpoint import RunDirectory
 from unified.cli import main
 
 DEMO = Path(__file__).with_name("demo.yaml")
@@ -123,11 +124,33 @@ def test_eval_scores_a_checkpoint_as_the_run_did(
     assert json.loads(out)["eval/accuracy"] == evals[0], "without a checkpoint: config.model"
 
 
+def test_find_checkpoint_takes_the_newest_complete_one(tmp_path: Path) -> None:
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for name in ("step_000010", "step_000020", ".tmp-step_000030"):
+        (checkpoints / name).mkdir(parents=True)
+    for name in ("step_000010", "step_000020"):
+        (checkpoints / name / "trainer_state.json").write_text("{}")
+    newest = checkpoints / "step_000020"
+    assert RunDirectory.find_checkpoint(tmp_path / "run") == newest
+    assert RunDirectory.find_checkpoint(checkpoints / "step_000010") == checkpoints / "step_000010"
+
+
+def test_eval_refuses_a_checkpoint_of_another_backend(
+    capsys: pytest.CaptureFixture[str], demo: list[str], tmp_path: Path
+) -> None:
+    assert run(capsys, "train", *demo, "trainer.total_steps=10")[0] == 0
+    run_dir = tmp_path / "runs" / "bandit-demo"
+    code, _, err = run(capsys, "eval", *demo, "backend=local", "--checkpoint", str(run_dir))
+    assert code == 2 and "was trained with backend='tests.bandit:BanditBackend'" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
         (["--checkpoint", "no/such/run"], "is neither a checkpoint"),
         (["data.eval=null"], "unified eval needs eval tasks"),
+        (["--json", "no/such/folder/eval.json"], "its folder does not exist"),
     ],
 )
 def test_eval_bad_input_is_one_line_and_exit_code_2(

@@ -13,6 +13,7 @@ from backends.local.backend import LocalBackend
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.config import TrainerConfig, load_config
+from unified.errors import UsageError
 from unified.types import Episode, ModelOutput, Step, Trajectory, TrajectoryGroup
 
 PROMPTS = ["3 5 7 -> 22", "12 4 -> 3", "1 2 3 -> 6", "9 9 -> 81"]
@@ -159,4 +160,12 @@ async def test_a_batched_request_gets_what_it_would_get_alone() -> None:
         alone = await sample(backend, PROMPTS[i % 4], 10 + i, max_tokens=n)
         assert alone.completion_ids == batched[i].completion_ids, f"request {i}"
         assert alone.logprobs == pytest.approx(batched[i].logprobs, abs=1e-5)
+    await backend.shutdown()
+
+
+async def test_an_empty_prompt_is_a_usage_error() -> None:
+    backend = await started()
+    params = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 4, "stop": [], "seed": 0}
+    with pytest.raises(UsageError, match="at least one token"):
+        await backend.rollout_engine().complete([], **params)
     await backend.shutdown()

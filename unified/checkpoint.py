@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict
 
 from unified.errors import UsageError
@@ -129,6 +130,21 @@ class RunDirectory:
                 "run directory holding one; train with trainer.save_every > 0 to write them"
             )
         return latest
+
+    @staticmethod
+    def check_matches(checkpoint: Path, *, backend: str, model: str) -> None:
+        """Refuse a checkpoint whose run trained another backend or model (its `config.yaml`)."""
+        made_by = checkpoint.parent.parent / "config.yaml"
+        if not made_by.is_file():
+            return
+        run_config = yaml.safe_load(made_by.read_text()) or {}
+        for key, ours in (("backend", backend), ("model", model)):
+            theirs = run_config.get(key)
+            if theirs is not None and theirs != ours:
+                raise UsageError(
+                    f"checkpoint {str(checkpoint)!r} was trained with {key}={theirs!r}, but the "
+                    f"config says {key}={ours!r}; pass {key}={theirs}"
+                )
 
     @staticmethod
     def load_state(checkpoint: Path) -> TrainerState:

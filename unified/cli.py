@@ -134,6 +134,8 @@ def _eval(
     from unified.evaluation import run_eval
 
     config = load_config(config_path, overrides)
+    if json_path and not Path(json_path).parent.is_dir():
+        raise UsageError(f"--json {json_path!r}: its folder does not exist; create it first")
     source = Path(checkpoint) if checkpoint else None
     metrics = asyncio.run(run_eval(config, checkpoint=source))
     text = json.dumps(metrics, indent=2)

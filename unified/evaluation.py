@@ -90,10 +90,13 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
     source = None
     if checkpoint is not None:
         source = await asyncio.to_thread(RunDirectory.find_checkpoint, checkpoint)
+        await asyncio.to_thread(
+            RunDirectory.check_matches, source, backend=config.backend, model=config.model
+        )
     # Only its workflow slot is used: eval honours max_concurrency and dispatch_rate as in training.
     coordinator = SyncCoordinator.for_config(config)
-    await backend.setup(config)
     try:
+        await backend.setup(config)
         version = 0
         if source is not None:
             version = (await asyncio.to_thread(RunDirectory.load_state, source)).version

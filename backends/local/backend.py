@@ -243,9 +243,12 @@ class LocalBackend(BackendProtocol):
         # One gather for every completion token of the chunk (row i, position p-1+j predicts
         # token j): per-sample slicing would add autograd nodes per sample.
         lengths = [len(s.completion) for s in chunk]
-        rows_T = torch.tensor([i for i, n in enumerate(lengths) for _ in range(n)])
+        rows_T = torch.tensor(
+            [i for i, n in enumerate(lengths) for _ in range(n)], dtype=torch.long
+        )
         positions_T = torch.tensor(
-            [len(s.prompt) - 1 + j for s in chunk for j in range(len(s.completion))]
+            [len(s.prompt) - 1 + j for s in chunk for j in range(len(s.completion))],
+            dtype=torch.long,
         )
         targets_T = torch.tensor([t for s in chunk for t in s.completion], device=self.device)
         temperatures_T = torch.tensor(

@@ -200,6 +200,9 @@ class BatchingSampler:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
         """Sample one completion; batched with whatever else is waiting."""
+        if not prompt_ids:
+            # Nothing to condition on, and the trainer could not score the first token.
+            raise UsageError("complete() needs a prompt of at least one token, got none")
         needed = len(prompt_ids) + params.max_tokens
         if self.max_positions is not None and needed > self.max_positions:
             # Checked per request, so one oversized request cannot fail the batch it would join.

@@ -84,8 +84,8 @@ def best_fixed_pattern(tasks: Sequence[Task]) -> tuple[str, float]:
 def best_pattern_by_target_band(tasks: Sequence[Task], *, width: int = 10) -> float:
     """The hit rate when each band of targets (`target // width`) uses its own best pattern.
 
-    A reference, not a bar to clear: the most a policy that reads nothing but the target's size
-    can score (chosen on these very tasks). RL on the tiny model gets part of the way there.
+    A reference, not a bar to clear: what reading the target's rough size is worth to a policy
+    (each band's pattern is chosen on these very tasks, so it is an optimistic figure).
     """
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")

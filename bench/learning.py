@@ -55,11 +55,10 @@ def run(mode: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
                     "accuracy": r["eval/accuracy"],
                 }
             )
-    train_s = sum(r.get("time/step", 0.0) for r in rows)
     return {
         "curve": curve,
         "steps": result.steps,
-        "s_per_group": train_s / (result.steps * config.trainer.batch_size),
+        "s_per_group": elapsed / (result.steps * config.trainer.batch_size),
     }
 
 

@@ -169,3 +169,20 @@ async def test_an_empty_prompt_is_a_usage_error() -> None:
     with pytest.raises(UsageError, match="at least one token"):
         await backend.rollout_engine().complete([], **params)
     await backend.shutdown()
+
+
+async def test_a_batch_may_mix_a_long_prompt_with_a_long_completion() -> None:
+    backend = await started()
+    limit = backend.sampler.max_positions
+    assert limit is not None
+    params = {"temperature": 1.0, "top_p": 1.0, "stop": [], "seed": 0}
+    engine = backend.rollout_engine()
+    long_prompt, short_prompt = [10] * (limit - 16), [10] * 8
+    # Each fits on its own; together they need more cache than the model has positions.
+    outputs = await asyncio.gather(
+        engine.complete(long_prompt, max_tokens=16, **params),
+        engine.complete(short_prompt, max_tokens=limit - 8, **params),
+    )
+    assert backend.sampler.batches == 1
+    assert all(o.completion_ids for o in outputs)
+    await backend.shutdown()

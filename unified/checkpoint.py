@@ -7,6 +7,7 @@ is written into a temporary directory and renamed into place, so a reader never 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from unified.errors import UsageError
 __all__ = ["LedgerEntry", "RunDirectory", "TrainerState"]
 
 _STATE_FILE = "trainer_state.json"
+_BACKEND_DIR = "backend"
 
 
 class LedgerEntry(BaseModel):
@@ -104,13 +106,11 @@ class RunDirectory:
         self, state: TrainerState, save_backend: Callable[[Path], Awaitable[None]]
     ) -> Path:
         """Write a checkpoint for `state.step` atomically: temp directory, then rename."""
-        import asyncio
-
         final = self.checkpoints / f"step_{state.step:06d}"
         tmp = self.checkpoints / f".tmp-step_{state.step:06d}"
         await asyncio.to_thread(_fresh_dir, tmp)
         try:
-            await save_backend(tmp / "backend")
+            await save_backend(tmp / _BACKEND_DIR)
             await asyncio.to_thread(_write_atomic, tmp / _STATE_FILE, state.model_dump_json())
             await asyncio.to_thread(_replace_dir, tmp, final)
         except BaseException:
@@ -147,6 +147,15 @@ class RunDirectory:
                 )
 
     @staticmethod
+    async def load_checkpoint(
+        checkpoint: Path, load_backend: Callable[[Path], Awaitable[None]]
+    ) -> TrainerState:
+        """Hand a checkpoint's backend part to `load_backend`; return its trainer state."""
+        state = await asyncio.to_thread(RunDirectory.load_state, checkpoint)
+        await load_backend(checkpoint / _BACKEND_DIR)
+        return state
+
+    @staticmethod
     def load_state(checkpoint: Path) -> TrainerState:
         """Read the trainer state of a checkpoint directory."""
         return TrainerState.model_validate_json((checkpoint / _STATE_FILE).read_text())
@@ -167,7 +176,7 @@ class RunDirectory:
 
 def _fresh_dir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
-    (path / "backend").mkdir(parents=True)
+    (path / _BACKEND_DIR).mkdir(parents=True)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

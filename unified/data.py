@@ -17,7 +17,7 @@ import json
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -25,12 +25,21 @@ from unified.errors import DataError, UsageError
 from unified.imports import import_object
 from unified.types import Task
 
-__all__ = ["SUPPORTED_SUFFIXES", "TaskSampler", "load_tasks"]
+if TYPE_CHECKING:
+    from unified.config import DataConfig
+
+__all__ = ["SUPPORTED_SUFFIXES", "TaskSampler", "load_eval_tasks", "load_tasks"]
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 # Keeps run seeds apart: seeds s and s+1 share no epoch permutation in their first million epochs.
 _EPOCH_SEED_STRIDE = 1_000_003
+
+
+def load_eval_tasks(data: DataConfig) -> list[Task]:
+    """The tasks of `data.eval` (none when it is unset), at most `data.eval_limit` of them."""
+    tasks = load_tasks(data.eval, what="data.eval") if data.eval else []
+    return tasks[: data.eval_limit]
 
 
 def load_tasks(

@@ -16,7 +16,7 @@ from pathlib import Path
 from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig
 from unified.coordinator import SyncCoordinator
-from unified.data import load_tasks
+from unified.data import load_eval_tasks
 from unified.errors import ConfigError
 from unified.protocol import RolloutEngine, check_capabilities, create_backend
 from unified.rollout import SamplingEngine, WorkflowFn, resolve_workflow, run_episode
@@ -85,8 +85,7 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
     workflow = resolve_workflow(config.workflow)
     backend = create_backend(config.backend)
     check_capabilities(config, backend)
-    tasks = await asyncio.to_thread(load_tasks, config.data.eval, what="data.eval")
-    tasks = tasks[: config.data.eval_limit]
+    tasks = await asyncio.to_thread(load_eval_tasks, config.data)
     source = None
     if checkpoint is not None:
         source = await asyncio.to_thread(RunDirectory.find_checkpoint, checkpoint)
@@ -99,8 +98,8 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
         await backend.setup(config)
         version = 0
         if source is not None:
-            version = (await asyncio.to_thread(RunDirectory.load_state, source)).version
-            await backend.load_checkpoint(source / "backend")
+            state = await RunDirectory.load_checkpoint(source, backend.load_checkpoint)
+            version = state.version
         return await evaluate(
             workflow,
             backend.rollout_engine(),

@@ -22,7 +22,7 @@ from unified.buffer import GroupTicket, Outcome, TrajectoryGroupBuffer
 from unified.checkpoint import LedgerEntry, RunDirectory, TrainerState
 from unified.config import TrainerConfig, load_config
 from unified.coordinator import SyncCoordinator
-from unified.data import TaskSampler, load_tasks
+from unified.data import TaskSampler, load_eval_tasks, load_tasks
 from unified.errors import UnifiedError
 from unified.evaluation import evaluate
 from unified.metrics import MetricsAggregator, metrics_for
@@ -67,11 +67,9 @@ class UnifiedTrainer:
         check_capabilities(self.config, self.backend)
         data = self.config.data
         self.train_tasks = list(train_tasks) if train_tasks is not None else load_tasks(data.train)
-        if eval_tasks is not None:
-            self.eval_tasks: list[Task] = list(eval_tasks)
-        else:
-            self.eval_tasks = load_tasks(data.eval, what="data.eval") if data.eval else []
-        self.eval_tasks = self.eval_tasks[: data.eval_limit]
+        self.eval_tasks: list[Task] = (
+            list(eval_tasks)[: data.eval_limit] if eval_tasks is not None else load_eval_tasks(data)
+        )
         self.run = RunDirectory(self.config.run_path)
 
     def fit(self) -> TrainResult:
@@ -173,8 +171,7 @@ class _Loop:
     async def start(self, checkpoint: Path | None) -> None:
         """Restore `checkpoint` if given, then evaluate before training."""
         if checkpoint is not None:
-            state = RunDirectory.load_state(checkpoint)
-            await self.backend.load_checkpoint(checkpoint / "backend")
+            state = await RunDirectory.load_checkpoint(checkpoint, self.backend.load_checkpoint)
             self.step, self.next_seq = state.step, state.next_seq
             self.sampler.load_state_dict(state.sampler)
             by_id = {task.id: task for task in self.trainer.train_tasks}

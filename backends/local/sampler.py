@@ -26,7 +26,7 @@ from backends.local.decoding import make_stepper
 from unified.errors import UsageError
 from unified.types import FinishReason, ModelOutput, SamplingParams
 
-__all__ = ["BatchingSampler", "Request", "generate_batch"]
+__all__ = ["BatchingSampler", "Request", "check_request", "generate_batch"]
 
 
 @dataclass
@@ -36,6 +36,25 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     future: asyncio.Future[ModelOutput] | None = field(default=None, repr=False)
+
+
+def check_request(
+    prompt_ids: Sequence[int], params: SamplingParams, max_positions: int | None
+) -> None:
+    """Refuse a request the model cannot serve: an empty prompt, or more tokens than positions.
+
+    Per request: each row's positions count from its own first token, so a batch may mix a long
+    prompt with a long completion as long as every request fits on its own.
+    """
+    if not prompt_ids:
+        # Nothing to condition on, and the trainer could not score the first token.
+        raise UsageError("complete() needs a prompt of at least one token, got none")
+    needed = len(prompt_ids) + params.max_tokens
+    if max_positions is not None and needed > max_positions:
+        raise UsageError(
+            f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the "
+            f"model's {max_positions} positions; shorten the prompt or lower max_tokens"
+        )
 
 
 @torch.no_grad()
@@ -48,23 +67,19 @@ def generate_batch(
     max_positions: int | None = None,
 ) -> list[ModelOutput]:
     """Sample every request of one batch; blocking (call it from a worker thread)."""
+    for r in requests:
+        check_request(r.prompt_ids, r.params, max_positions)
     B = len(requests)
     lengths = [len(r.prompt_ids) for r in requests]
     max_new = max(r.params.max_tokens for r in requests)
     L = max(lengths)
-    if max_positions is not None and L + max_new > max_positions:
-        raise UsageError(
-            f"prompt of {L} tokens + max_tokens {max_new} exceeds the model's "
-            f"{max_positions} positions; shorten the prompt or lower sampling max_tokens"
-        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     device = next(model.parameters()).device
     ids_BL = torch.full((B, L), pad, dtype=torch.long)
     mask_BL = torch.zeros(B, L, dtype=torch.long)
     for b, r in enumerate(requests):
-        if r.prompt_ids:
-            ids_BL[b, L - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            mask_BL[b, L - len(r.prompt_ids) :] = 1
+        ids_BL[b, L - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+        mask_BL[b, L - len(r.prompt_ids) :] = 1
     ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
     temperature_B = torch.tensor([r.params.temperature for r in requests], device=device)
     greedy_B = temperature_B == 0
@@ -98,9 +113,9 @@ def generate_batch(
         keep = [i for i, b in enumerate(rows) if finish[b] is None]
         if not keep:
             break
-        if len(keep) <= len(rows) * 3 // 4 and stepper.keep(torch.tensor(keep, device=device)):
+        index = torch.tensor(keep, device=device) if len(keep) <= len(rows) * 3 // 4 else None
+        if index is not None and stepper.keep(index):
             # Finished rows leave the batch: no more compute spent on them.
-            index = torch.tensor(keep, device=device)
             rows = [rows[i] for i in keep]
             next_B, safe_t_B, greedy_B = next_B[index], safe_t_B[index], greedy_B[index]
             top_p_B, uniforms_BN = top_p_B[index], uniforms_BN[index]
@@ -200,16 +215,8 @@ class BatchingSampler:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
         """Sample one completion; batched with whatever else is waiting."""
-        if not prompt_ids:
-            # Nothing to condition on, and the trainer could not score the first token.
-            raise UsageError("complete() needs a prompt of at least one token, got none")
-        needed = len(prompt_ids) + params.max_tokens
-        if self.max_positions is not None and needed > self.max_positions:
-            # Checked per request, so one oversized request cannot fail the batch it would join.
-            raise UsageError(
-                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the "
-                f"model's {self.max_positions} positions; shorten the prompt or lower max_tokens"
-            )
+        # Checked before joining, so one bad request cannot fail the batch it would join.
+        check_request(prompt_ids, params, self.max_positions)
         loop = asyncio.get_running_loop()
         request = Request(list(prompt_ids), params, loop.create_future())
         assert request.future is not None

@@ -212,3 +212,18 @@ def bandit_tasks(n: int, arms: int = 4, prefix: str = "t", target: int | None = 
         Task(id=f"{prefix}{i}", data={"target": i % arms if target is None else target})
         for i in range(n)
     ]
+
+
+def multi_call_workflow(calls: int) -> Callable[[Task, RolloutEngine], Any]:
+    """A workflow that calls the model `calls` times (one Step each); the last answer scores."""
+
+    async def run(task: Task, model: RolloutEngine) -> Trajectory:
+        steps = []
+        for turn in range(calls):
+            messages = [{"role": "user", "content": f"pick {task.data['target']} ({turn})"}]
+            out = await model.chat(messages)
+            steps.append(Step(messages=messages, output=out))
+        reward = float(steps[-1].output.text == str(task.data["target"]))
+        return Trajectory(steps=steps, reward=reward)
+
+    return run

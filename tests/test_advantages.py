@@ -17,7 +17,7 @@ from unified.advantages import (
     reinforce,
     rloo,
 )
-from unified.config import TrainConfig
+from unified.config import TrainerSection
 
 # Mean 5, population std 2: every advantage below is exact arithmetic on small numbers.
 REWARDS = [2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]
@@ -111,6 +111,6 @@ def test_non_finite_reward_is_rejected() -> None:
 
 
 def test_estimators_are_exactly_the_names_config_accepts() -> None:
-    config_names = set(typing.get_args(TrainConfig.model_fields["advantage"].annotation))
+    config_names = set(typing.get_args(TrainerSection.model_fields["advantage"].annotation))
 
     assert set(ESTIMATORS) == config_names, "trainer.advantage and ESTIMATORS must agree"

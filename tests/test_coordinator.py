@@ -1,4 +1,4 @@
-"""SyncCoordinator: admission capacity, deadline-aware taking, slots freed, drain, rate limit."""
+"""SyncCoordinator's admission arithmetic, the group buffer's waits, and the workflow slots."""
 
 from __future__ import annotations
 
@@ -7,119 +7,184 @@ import time
 
 import pytest
 
+from tests.bandit import bandit_tasks
+from unified.checkpoint import LedgerEntry
 from unified.coordinator import SyncCoordinator
+from unified.data import TaskSampler
 from unified.errors import StallError
+from unified.groups import TrajectoryGroupBuffer
+from unified.rollout import WorkflowSlots
+from unified.types import Episode, ModelOutput, Step, Trajectory
 
 
-def coordinator(**kw: object) -> SyncCoordinator:
-    args: dict[str, object] = {
-        "batch_size": 2,
-        "sync_every": 1,
-        "max_staleness": 1,
-        "max_concurrency": 8,
-        "stall_timeout": 5.0,
-    }
+def coordinator(**kw: int) -> SyncCoordinator:
+    args = {"batch_size": 2, "sync_every": 1, "max_staleness": 1}
     args.update(kw)
-    return SyncCoordinator(**args)  # type: ignore[arg-type]
+    return SyncCoordinator(**args)
+
+
+def buffer(c: SyncCoordinator, lines: list[LedgerEntry], **kw: float) -> TrajectoryGroupBuffer:
+    return TrajectoryGroupBuffer(
+        c,
+        TaskSampler(bandit_tasks(8), seed=0),
+        lines.extend,
+        group_size=2,
+        advantage="grpo",
+        filter_groups=True,
+        stall_timeout_s=kw.get("stall_timeout_s", 5.0),
+    )
+
+
+def episode(index: int, reward: float, version: int = 0) -> Episode:
+    out = ModelOutput(
+        text="1",
+        prompt_ids=[1],
+        completion_ids=[49],
+        logprobs=[-0.1],
+        finish_reason="stop",
+        policy_version=version,
+    )
+    trajectory = Trajectory(steps=[Step(output=out, reward=reward)], reward=reward)
+    return Episode(task_id="t", rollout_index=index, trajectories=[trajectory])
 
 
 @pytest.mark.parametrize(("s", "k", "m", "capacity"), [(0, 1, 8, 8), (3, 1, 8, 32), (1, 2, 16, 64)])
-async def test_capacity_is_one_plus_staleness_times_sync_every_times_batch(
+def test_capacity_is_one_plus_staleness_times_sync_every_times_batch(
     s: int, k: int, m: int, capacity: int
 ) -> None:
     c = coordinator(max_staleness=s, sync_every=k, batch_size=m)
     for _ in range(capacity):
-        await c.admit()
-    assert c.alive == capacity and not c.can_dispatch(), "the next group must wait"
+        assert c.can_admit()
+        c.admit()
+    assert c.alive == capacity and not c.can_admit(), "the next group must wait"
 
 
-async def test_filtered_group_frees_its_admission_slot() -> None:
+def test_released_group_frees_its_admission_slot() -> None:
     c = coordinator(max_staleness=0)
     for _ in range(2):
-        await c.admit()
-    assert not c.can_dispatch()
-    c.resolve(0)
-    assert c.can_dispatch(), "a filtered or failed group releases its slot at once"
+        c.admit()
+    assert not c.can_admit()
+    c.release(0)
+    assert c.can_admit(), "a filtered or failed group releases its slot at once"
 
 
-async def test_taken_groups_hold_their_slot_until_the_weight_sync() -> None:
+def test_taken_groups_hold_their_slot_until_the_window_closes() -> None:
     c = coordinator(max_staleness=0)
     for _ in range(2):
-        await c.admit()
+        c.admit()
     c.take(0)
     c.take(0)
-    assert not c.can_dispatch(), "trained groups use this version's slots"
-    c.synced(1)
-    assert c.can_dispatch() and await c.admit() == 1
+    assert not c.can_admit(), "trained groups use this window's slots"
+    c.open_window(1)
+    assert c.can_admit() and c.admit() == 1
 
 
-async def test_newer_group_waits_while_an_older_one_would_miss_its_deadline() -> None:
+def test_newer_group_waits_while_an_older_one_would_miss_its_deadline() -> None:
     c = coordinator(max_staleness=1, batch_size=1)
-    await c.admit()  # group A, version 0: must train at version <= 1
+    c.admit()  # group A, version 0: must train at version <= 1
     c.take(0)  # a first v0 group trained
-    c.synced(1)
-    await c.admit()  # B, version 1 (A's sibling from v0 is still alive below)
+    c.open_window(1)
+    c.admit()  # B, version 1
     c._alive[0] += 1  # an in-flight v0 group, dispatched before the sync
+    c._alive_total += 1
     assert not c.may_take(1), "the only slot at v1 belongs to the v0 group's deadline"
     assert c.may_take(0)
 
 
-async def test_pause_blocks_admission_until_resume() -> None:
-    c = coordinator()
-    c.pause()
-    waiter = asyncio.create_task(c.admit())
-    await asyncio.sleep(0)
-    assert not waiter.done()
-    c.resume()
+def test_sync_mode_is_staleness_zero_with_a_window_of_one_step() -> None:
+    from unified.config import load_config
+
+    config = load_config(
+        {
+            "workflow": "m:f",
+            "mode": "sync",
+            "trainer": {"batch_size": 3},
+            "async": {"sync_every": 4},
+        }
+    )
+    c = SyncCoordinator.for_config(config)
+    assert (c.max_staleness, c.steps_per_window, c.capacity) == (0, 1, 3)
+
+
+def test_group_ends_once_and_untrained_ones_free_their_slot() -> None:
+    c = coordinator(max_staleness=0)
+    lines: list[LedgerEntry] = []
+    groups = buffer(c, lines)
+    filtered, _ = groups.dispatch()
+    ready, _ = groups.dispatch()
+    assert not c.can_admit()
+    for index in range(2):
+        groups.add_episode(filtered, episode(index, reward=1.0))
+    assert c.can_admit(), "the filtered group freed its slot"
+    groups.add_episode(ready, episode(0, reward=0.0))
+    groups.add_episode(ready, episode(1, reward=1.0))
+    item = groups.take_ready()
+    assert item is not None and item[0] == ready
+    assert groups.take_ready() is None, "a group is taken once"
+    assert groups.in_flight() == [filtered.task_id, ready.task_id], (
+        "until their ledger lines are written both count as in flight"
+    )
+
+
+async def test_ended_groups_leave_in_flight_when_their_line_is_written() -> None:
+    lines: list[LedgerEntry] = []
+    groups = buffer(coordinator(max_staleness=0), lines)
+    ticket, _ = groups.dispatch()
+    for index in range(2):
+        groups.add_episode(ticket, episode(index, reward=1.0))
+    ended = await groups.write_ended(step=1)
+    assert [e.outcome for e in ended] == ["filtered"]
+    assert [(e.group_id, e.outcome, e.step) for e in lines] == [(ticket.group_id, "filtered", 1)]
+    assert groups.in_flight() == []
+
+
+async def test_wait_without_progress_fails_with_a_stall_error_that_says_who_waits() -> None:
+    groups = buffer(coordinator(), [], stall_timeout_s=0.05)
+    groups.dispatch()
+    with pytest.raises(StallError, match=r"a trainable group.*alive=1, generating=1"):
+        await groups.next_ready()
+
+
+async def test_admission_outwaits_the_stall_clock_while_the_trainer_is_busy() -> None:
+    c = coordinator(max_staleness=0)
+    groups = buffer(c, [], stall_timeout_s=0.05)
+    tickets = [groups.dispatch()[0] for _ in range(2)]
+    waiter = asyncio.create_task(groups.wait_until(c.can_admit, "a slot", stall_clock=False))
+    done, _ = await asyncio.wait([waiter], timeout=0.2)  # four stall periods pass
+    assert not done, "a busy trainer (eval, save) must not fail the dispatcher"
+    for index in range(2):
+        groups.add_episode(tickets[0], episode(index, reward=1.0))
     async with asyncio.timeout(5):
-        assert await waiter == 0
-
-
-async def test_drain_waits_for_generating_groups() -> None:
-    c = coordinator()
-    await c.admit()
-    drained = asyncio.create_task(c.drain())
-    await asyncio.sleep(0)
-    assert not drained.done()
-    c.generated()
-    async with asyncio.timeout(5):
-        await drained
-
-
-async def test_wait_without_progress_fails_with_a_stall_error() -> None:
-    c = coordinator(stall_timeout=0.05)
-    with pytest.raises(StallError, match="in-flight groups"):
-        await c.admit()
-        await c.drain()
+        await waiter
 
 
 async def test_max_concurrency_bounds_running_workflows() -> None:
-    c = coordinator(max_concurrency=2)
+    slots = WorkflowSlots(max_concurrency=2)
     peak = 0
     release = asyncio.Event()
 
     async def workflow() -> None:
         nonlocal peak
-        async with c.workflow_slot():
-            peak = max(peak, c.running)
+        async with slots:
+            peak = max(peak, slots.running)
             await release.wait()
 
     async with asyncio.timeout(5), asyncio.TaskGroup() as tg:
         for _ in range(5):
             tg.create_task(workflow())
         await asyncio.sleep(0)
-        assert c.running == 2
+        assert slots.running == 2
         release.set()
     assert peak == 2
 
 
 async def test_dispatch_rate_spaces_workflow_starts() -> None:
     rate = 40.0
-    c = coordinator(dispatch_rate=rate)
+    slots = WorkflowSlots(max_concurrency=8, dispatch_rate=rate)
     starts: list[float] = []
 
     async def workflow() -> None:
-        async with c.workflow_slot():
+        async with slots:
             starts.append(time.monotonic())
 
     async with asyncio.timeout(5), asyncio.TaskGroup() as tg:
@@ -127,15 +192,3 @@ async def test_dispatch_rate_spaces_workflow_starts() -> None:
             tg.create_task(workflow())
     elapsed = starts[-1] - starts[0]
     assert elapsed >= (len(starts) - 1) / rate * 0.9, f"6 starts took only {elapsed:.3f} s"
-
-
-async def test_admission_outwaits_the_stall_clock_while_the_consumer_is_busy() -> None:
-    c = coordinator(max_staleness=0, stall_timeout=0.05)
-    for _ in range(2):
-        await c.admit()
-    waiter = asyncio.create_task(c.admit())
-    done, _ = await asyncio.wait([waiter], timeout=0.2)  # four stall periods pass
-    assert not done, "a busy consumer (eval, save) must not fail the producer"
-    c.resolve(0)
-    async with asyncio.timeout(5):
-        assert await waiter == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 from pathlib import Path
@@ -12,14 +13,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.bandit import BanditBackend, bandit_tasks, heavy_tailed_latency
+from tests.bandit import BanditBackend, bandit_tasks, heavy_tailed_latency, multi_call_workflow
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.checkpoint import LedgerEntry, RunDirectory
 from unified.metrics import METRIC_NAMES
 from unified.protocol import BackendCapabilities, RolloutEngine
 from unified.trainer import TrainingStopped
-from unified.types import Step, Task, Trajectory
+from unified.types import Step, Task, Trajectory, TrajectoryGroup
 
 
 def fit(config: dict[str, Any], backend: BanditBackend, workflow: Any = None, **kw: Any) -> Any:
@@ -44,6 +45,19 @@ def seqs(entries: list[LedgerEntry]) -> list[int]:
 
 
 PARTIAL = BackendCapabilities(partial_rollout=True)
+_RUN_NUMBERS = itertools.count()
+
+
+class VersionCheckingBandit(BanditBackend):
+    """Checks that each trained group's version is the oldest of its steps' versions."""
+
+    async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        for group in groups:
+            steps = [s for e in group.episodes for t in e.trajectories for s in t.steps]
+            oldest = min(s.output.policy_version for s in steps)
+            assert group.policy_version <= oldest, f"{group.group_id} is newer than its steps"
+            assert group.policy_version >= min(e.policy_version for e in group.episodes)
+        return await super().forward_backward(groups)
 
 
 @settings(
@@ -59,6 +73,7 @@ PARTIAL = BackendCapabilities(partial_rollout=True)
     partial=st.booleans(),
     seed=st.integers(0, 10_000),
     micro=st.sampled_from([None, 1]),
+    calls=st.integers(1, 3),
 )
 def test_async_never_trains_a_group_staler_than_max_staleness(
     make_config: ConfigFactory,
@@ -70,8 +85,10 @@ def test_async_never_trains_a_group_staler_than_max_staleness(
     partial: bool,
     seed: int,
     micro: int | None,
+    calls: int,
 ) -> None:
-    name = f"s{staleness}k{sync_every}b{batch_size}g{group_size}p{partial}x{seed}m{micro}"
+    name = f"s{staleness}k{sync_every}b{batch_size}g{group_size}p{partial}x{seed}m{micro}c{calls}"
+    name += f"-{next(_RUN_NUMBERS)}"  # hypothesis may replay an example while shrinking
     config = make_config(
         name=name,
         mode="async",
@@ -84,8 +101,9 @@ def test_async_never_trains_a_group_staler_than_max_staleness(
         },
         async_={"max_staleness": staleness, "sync_every": sync_every, "partial_rollout": partial},
     )
-    backend = BanditBackend(latency=heavy_tailed_latency(), capabilities=PARTIAL)
-    result = fit(config, backend)
+    backend = VersionCheckingBandit(latency=heavy_tailed_latency(), capabilities=PARTIAL)
+    # Several model calls per episode: an episode may span weight syncs.
+    result = fit(config, backend, workflow=multi_call_workflow(calls))
     entries = ledger(result.run_dir)
     done = [e for e in entries if e.outcome == "trained"]
     assert len(done) == 6 * batch_size, "every step trains batch_size groups"
@@ -193,21 +211,48 @@ def test_workflow_past_timeout_is_counted_as_a_timeout(make_config: ConfigFactor
     assert failed and all(e.task_id == "t5" for e in failed), "only the stuck task fails"
 
 
-@pytest.mark.parametrize("sync_every", [1, 3])
-def test_no_partial_rollout_drains_before_every_sync(
-    make_config: ConfigFactory, sync_every: int
-) -> None:
+class SyncSignallingBandit(BanditBackend):
+    """Sets `synced[v]` when version `v` becomes visible to sampling."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.synced = {version: asyncio.Event() for version in range(1, 16)}
+
+    async def on_policy_updated(self, version: int) -> None:
+        await super().on_policy_updated(version)
+        self.synced[version].set()
+
+
+def test_weight_sync_never_waits_for_running_workflows(make_config: ConfigFactory) -> None:
+    backend = SyncSignallingBandit()
+    held: list[list[int]] = []
+
+    async def first_one_waits_for_a_sync(task: Task, model: RolloutEngine) -> Trajectory:
+        messages = [{"role": "user", "content": f"pick {task.data['target']}"}]
+        first = await model.chat(messages)
+        steps = [Step(messages=messages, output=first)]
+        if not held:
+            held.append([])
+            # A trainer that drained workflows before syncing would deadlock here.
+            async with asyncio.timeout(10):
+                await backend.synced[1].wait()
+            steps.append(Step(messages=messages, output=await model.chat(messages)))
+            held[0] = [s.output.policy_version for s in steps]
+        reward = float(steps[-1].output.text == str(task.data["target"]))
+        return Trajectory(steps=steps, reward=reward)
+
     config = make_config(
         mode="async",
-        trainer={"total_steps": 6},
-        async_={"max_staleness": 2, "sync_every": sync_every, "partial_rollout": False},
+        trainer={"total_steps": 6, "stall_timeout": 5, "filter_groups": False},
+        async_={"max_staleness": 1, "sync_every": 1},
     )
-    backend = BanditBackend(latency=heavy_tailed_latency())
-    fit(config, backend)
-    syncs = [e for e in backend.events if e[0] == "on_policy_updated"]
-    assert len(syncs) == 6 // sync_every
-    for _, version, workflows, requests in syncs:
-        assert workflows == 0 and requests == 0, f"sync to v{version} happened mid-rollout"
+    result = fit(config, backend, workflow=first_one_waits_for_a_sync)
+    assert held == [[0, 1]], (
+        "the held episode finished after the sync to v1, its steps recording the version each "
+        "call came from"
+    )
+    entries = [e for e in ledger(result.run_dir) if e.outcome == "trained"]
+    assert all(0 <= e.trainer_version - e.policy_version <= 1 for e in entries)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

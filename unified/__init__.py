@@ -3,9 +3,10 @@
 `import unified` stays light: torch, tinker, verl, ray and wandb load only where they are used.
 """
 
-from unified.buffer import TrajectoryGroupBuffer
 from unified.config import TrainerConfig, load_config
 from unified.coordinator import SyncCoordinator
+from unified.groups import TrajectoryGroupBuffer
+from unified.loop import TrainingLoop
 from unified.metrics import MetricsAggregator
 from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
 from unified.trainer import TrainResult, UnifiedTrainer
@@ -32,6 +33,7 @@ __all__ = [
     "Task",
     "TrainResult",
     "TrainerConfig",
+    "TrainingLoop",
     "Trajectory",
     "TrajectoryGroup",
     "TrajectoryGroupBuffer",

@@ -22,8 +22,8 @@ __all__ = [
     "DataConfig",
     "LoggingConfig",
     "SamplingConfig",
-    "TrainConfig",
     "TrainerConfig",
+    "TrainerSection",
     "apply_overrides",
     "load_config",
 ]
@@ -33,7 +33,7 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
 
-class TrainConfig(_Section):
+class TrainerSection(_Section):
     """`trainer:` — the optimization schedule, loss, advantages and fault tolerance."""
 
     total_steps: int = Field(100, ge=1, description="Optimizer steps to run.")
@@ -147,7 +147,7 @@ class TrainerConfig(_Section):
     workflow: str = Field(description="Import path of the workflow: module:Class or module:fn.")
     model: str = Field("builtin:tiny", description="Built-in model, local HF directory or name.")
     data: DataConfig = Field(default_factory=DataConfig)
-    trainer: TrainConfig = Field(default_factory=TrainConfig)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

@@ -12,6 +12,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "StallError",
+    "TrainingStopped",
     "UnifiedError",
     "UsageError",
     "WorkflowError",
@@ -48,3 +49,7 @@ class BackendError(UnifiedError):
 
 class StallError(UnifiedError):
     """A wait passed its deadline: the thing awaited made no progress."""
+
+
+class TrainingStopped(UnifiedError):
+    """Training cannot make progress (e.g. every group is filtered); the message says why."""

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Sequence
 from pathlib import Path
 
 from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig
-from unified.coordinator import SyncCoordinator
 from unified.data import load_eval_tasks
 from unified.errors import ConfigError
 from unified.protocol import RolloutEngine, check_capabilities, create_backend
-from unified.rollout import SamplingEngine, WorkflowFn, resolve_workflow, run_episode
+from unified.rollout import (
+    SamplingEngine,
+    WorkflowFn,
+    WorkflowSlots,
+    resolve_workflow,
+    run_episode,
+)
 from unified.types import Episode, SamplingParams, Task
 
 __all__ = ["evaluate", "is_correct", "run_eval"]
@@ -44,19 +48,20 @@ async def evaluate(
     seed: int,
     version: int,
     timeout_s: float,
-    slot: Callable[[], AbstractAsyncContextManager[None]],
+    slots: WorkflowSlots,
 ) -> dict[str, float]:
     """`eval/accuracy`, `eval/reward`, `eval/errors` and `time/eval`, one episode per task.
 
-    `slot()` is held around each run: the trainer passes the coordinator's workflow slot, so
-    evaluation shares `max_concurrency` and `dispatch_rate` with training.
+    Each run holds one of `slots`: the trainer passes its own, so evaluation shares
+    `max_concurrency` and `dispatch_rate` with training.
     """
     started = time.monotonic()
     episodes: list[Episode] = []
+    defaults = sampling.model_dump()
 
     async def one(index: int, task: Task) -> None:
-        async with slot():
-            view = SamplingEngine(engine, sampling, seed + index)
+        async with slots:
+            view = SamplingEngine(engine, defaults, seed + index)
             episode, _ = await run_episode(
                 workflow, task, view, rollout_index=0, version=version, timeout_s=timeout_s
             )
@@ -92,8 +97,6 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
         await asyncio.to_thread(
             RunDirectory.check_matches, source, backend=config.backend, model=config.model
         )
-    # Only its workflow slot is used: eval honours max_concurrency and dispatch_rate as in training.
-    coordinator = SyncCoordinator.for_config(config)
     try:
         await backend.setup(config)
         version = 0
@@ -108,7 +111,7 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
             seed=config.trainer.seed,
             version=version,
             timeout_s=config.trainer.workflow_timeout,
-            slot=coordinator.workflow_slot,
+            slots=WorkflowSlots.for_config(config),
         )
     finally:
         await backend.shutdown()

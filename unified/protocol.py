@@ -175,7 +175,7 @@ def check_capabilities(config: TrainerConfig, backend: BackendProtocol) -> None:
     """Raise `CapabilityError` naming the first knob of `config` that `backend` cannot honour."""
     from unified.errors import CapabilityError
 
-    caps, t, a = backend.capabilities, config.trainer, config.async_
+    caps, trainer, async_ = backend.capabilities, config.trainer, config.async_
     name = getattr(backend, "name", type(backend).__name__)
 
     def refuse(knob: str, value: object, supported: str) -> CapabilityError:
@@ -183,21 +183,21 @@ def check_capabilities(config: TrainerConfig, backend: BackendProtocol) -> None:
             f"{knob}={value!r} is not supported by backend {name!r}; {supported}"
         )
 
-    if t.loss not in caps.losses:
-        raise refuse("trainer.loss", t.loss, f"it supports: {', '.join(sorted(caps.losses))}")
-    if t.advantage not in caps.advantages:
+    if trainer.loss not in caps.losses:
+        raise refuse("trainer.loss", trainer.loss, f"it supports: {', '.join(sorted(caps.losses))}")
+    if trainer.advantage not in caps.advantages:
         supported = ", ".join(sorted(caps.advantages))
-        raise refuse("trainer.advantage", t.advantage, f"it supports: {supported}")
-    if t.lr_schedule not in caps.lr_schedules:
+        raise refuse("trainer.advantage", trainer.advantage, f"it supports: {supported}")
+    if trainer.lr_schedule not in caps.lr_schedules:
         supported = ", ".join(sorted(caps.lr_schedules))
-        raise refuse("trainer.lr_schedule", t.lr_schedule, f"it supports: {supported}")
-    if a.partial_rollout and not caps.partial_rollout:
+        raise refuse("trainer.lr_schedule", trainer.lr_schedule, f"it supports: {supported}")
+    if async_.partial_rollout and not caps.partial_rollout:
         raise refuse("async.partial_rollout", True, "set async.partial_rollout=false")
-    if t.kl_coef > 0 and not caps.kl_penalty:
-        raise refuse("trainer.kl_coef", t.kl_coef, "set trainer.kl_coef=0")
-    if t.entropy_coef > 0 and not caps.entropy_bonus:
-        raise refuse("trainer.entropy_coef", t.entropy_coef, "set trainer.entropy_coef=0")
-    if caps.max_concurrency is not None and a.max_concurrency > caps.max_concurrency:
+    if trainer.kl_coef > 0 and not caps.kl_penalty:
+        raise refuse("trainer.kl_coef", trainer.kl_coef, "set trainer.kl_coef=0")
+    if trainer.entropy_coef > 0 and not caps.entropy_bonus:
+        raise refuse("trainer.entropy_coef", trainer.entropy_coef, "set trainer.entropy_coef=0")
+    if caps.max_concurrency is not None and async_.max_concurrency > caps.max_concurrency:
         raise refuse(
-            "async.max_concurrency", a.max_concurrency, f"its limit is {caps.max_concurrency}"
+            "async.max_concurrency", async_.max_concurrency, f"its limit is {caps.max_concurrency}"
         )

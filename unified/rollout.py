@@ -1,9 +1,10 @@
-"""Running one workflow on one task: the per-request sampling view and the episode runner.
+"""Running one workflow on one task: the per-request sampling view, slots, the episode runner.
 
 `SamplingEngine` is what a workflow actually receives: it wraps the backend's engine, fills in the
 train or eval sampling settings per request, and gives each request a reproducible seed. The
 runner turns a workflow run into an `Episode`; a workflow's exception or timeout is recorded,
-never raised, so one bad rollout cannot take the run down.
+never raised, so one bad rollout cannot take the run down. `WorkflowSlots` bounds how many
+workflows run at once and how fast they start.
 """
 
 from __future__ import annotations
@@ -11,24 +12,39 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from asyncio_throttle.throttler import Throttler
 
 from unified.errors import BackendError, UsageError, WorkflowError
 from unified.imports import import_object
 from unified.protocol import RolloutEngine, Tokenizer
 from unified.types import Episode, ModelOutput, SamplingParams, Task, Trajectory
 
-__all__ = ["SamplingEngine", "WorkflowFn", "resolve_workflow", "run_episode"]
+if TYPE_CHECKING:
+    from unified.config import TrainerConfig
+
+__all__ = ["SamplingEngine", "WorkflowFn", "WorkflowSlots", "resolve_workflow", "run_episode"]
 
 WorkflowFn = Callable[[Task, RolloutEngine], Awaitable[Any]]
 
 
 class SamplingEngine(RolloutEngine):
-    """A workflow's view of the policy: per-request defaults, seeds and token accounting."""
+    """A workflow's view of the policy: per-request defaults, seeds and token accounting.
 
-    def __init__(self, engine: RolloutEngine, defaults: SamplingParams, seed: int | None) -> None:
+    `defaults` are the train or eval settings; a dict is taken as an already validated
+    `SamplingParams.model_dump()` (the trainer builds it once per run, not once per request).
+    A workflow's own keyword overrides are validated, since they are the workflow's input.
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        defaults: SamplingParams | dict[str, Any],
+        seed: int | None,
+    ) -> None:
         self._engine = engine
-        self._defaults = defaults.model_dump()
+        self._defaults = defaults.model_dump() if isinstance(defaults, SamplingParams) else defaults
         self._seed = seed
         self._calls = 0
         self.completion_tokens = 0
@@ -49,17 +65,54 @@ class SamplingEngine(RolloutEngine):
         return self._checked(await self._engine.complete(prompt_ids, **self._params(sampling)))
 
     def _params(self, overrides: dict[str, Any]) -> dict[str, Any]:
-        params = SamplingParams.model_validate({**self._defaults, **overrides})
-        if params.seed is None and self._seed is not None:
-            params.seed = self._seed * 1_000 + self._calls
+        if overrides:
+            params = SamplingParams.model_validate({**self._defaults, **overrides}).model_dump()
+        else:
+            params = self._defaults.copy()
+        if params["seed"] is None and self._seed is not None:
+            params["seed"] = self._seed * 1_000 + self._calls
         self._calls += 1
-        return params.model_dump()
+        return params
 
     def _checked(self, output: Any) -> ModelOutput:
         if not isinstance(output, ModelOutput):
             raise BackendError(f"rollout engine returned {type(output).__name__}, not ModelOutput")
         self.completion_tokens += len(output.completion_ids)
         return output
+
+
+class WorkflowSlots:
+    """At most `max_concurrency` workflows at once, started no faster than `dispatch_rate` per s.
+
+    Used as `async with slots:` around each workflow run; training and evaluation share one.
+    """
+
+    def __init__(self, max_concurrency: int, dispatch_rate: float | None = None) -> None:
+        self.running = 0
+        self._free = asyncio.Semaphore(max_concurrency)
+        self._throttler: Throttler | None = None
+        if dispatch_rate is not None:
+            # Evenly spaced starts, no bursts: what remote APIs' rate limits expect.
+            self._throttler = Throttler(rate_limit=1, period=1.0 / dispatch_rate)
+
+    @classmethod
+    def for_config(cls, config: TrainerConfig) -> WorkflowSlots:
+        """The slots of a run: `async.max_concurrency` and `async.dispatch_rate`."""
+        return cls(config.async_.max_concurrency, config.async_.dispatch_rate)
+
+    async def __aenter__(self) -> None:
+        await self._free.acquire()
+        if self._throttler is not None:
+            try:
+                await self._throttler.acquire()  # type: ignore[no-untyped-call]
+            except BaseException:
+                self._free.release()
+                raise
+        self.running += 1
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.running -= 1
+        self._free.release()
 
 
 def resolve_workflow(workflow: Any) -> WorkflowFn:

@@ -1,0 +1,258 @@
+"""Orchestration overhead: what the trainer itself costs per trajectory, and per one in flight.
+
+A zero-latency backend (every request returns a 16-token output at once, training is free) and a
+zero-latency single-turn workflow run through the real `UnifiedTrainer`, so the wall time is the
+trainer's own work: dispatch, the sampling engine's per-request settings, the episode, group
+completion, advantages, filtering, the ledger and the metrics. Three figures:
+
+- microseconds per trajectory, async loop, `--groups` x `--group-size` rollouts per step (the sync
+  loop is run too, as the in-process reference);
+- bytes per in-flight trajectory: `--in-flight` workflows held open at once (each waits until all
+  have started), traced with `tracemalloc`, over a baseline taken just before they start;
+- that run with 10,000 workflows in flight completing, with memory flat across its steps.
+
+    python bench/overhead.py --json runs/bench-overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any, ClassVar
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from unified import (
+    BackendProtocol,
+    ModelOutput,
+    RolloutEngine,
+    Step,
+    Task,
+    Trajectory,
+    TrajectoryGroup,
+    UnifiedTrainer,
+)
+from unified.config import TrainerConfig
+
+TOKENS = 16
+
+
+class _Tokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+class ZeroEngine(RolloutEngine):
+    """Answers every request at once: `TOKENS` tokens whose parity depends on the seed."""
+
+    def __init__(self, backend: ZeroBackend) -> None:
+        self._backend = backend
+        self._tokenizer = _Tokenizer()
+
+    @property
+    def tokenizer(self) -> _Tokenizer:
+        return self._tokenizer
+
+    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
+        return await self.complete([1, 2, 3, 4], **sampling)
+
+    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
+        token = 2 + (sampling["seed"] // 1_000) % 2
+        return ModelOutput(
+            text="",
+            prompt_ids=prompt_ids,
+            completion_ids=[token] * TOKENS,
+            logprobs=[-0.5] * TOKENS,
+            finish_reason="length",
+            policy_version=self._backend.version,
+        )
+
+
+class ZeroBackend(BackendProtocol):
+    """Free training, instant sampling: the trainer's own cost is all that is left."""
+
+    name: ClassVar[str] = "zero"
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    async def setup(self, config: TrainerConfig) -> None:
+        pass
+
+    def rollout_engine(self) -> RolloutEngine:
+        return ZeroEngine(self)
+
+    async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        return {"train/loss": 0.0}
+
+    async def optim_step(self) -> dict[str, float]:
+        return {}
+
+    async def on_policy_updated(self, version: int) -> None:
+        self.version = version
+
+    async def save_checkpoint(self, directory: Path) -> None:
+        pass
+
+    async def load_checkpoint(self, directory: Path) -> None:
+        pass
+
+    async def shutdown(self) -> None:
+        pass
+
+
+async def single_turn(task: Task, model: RolloutEngine) -> Trajectory:
+    """The cheapest honest workflow: one chat call, a reward read off the output."""
+    messages = [{"role": "user", "content": task.data["prompt"]}]
+    out = await model.chat(messages)
+    reward = float(out.completion_ids[0] % 2)
+    return Trajectory(steps=[Step(messages=messages, output=out, reward=reward)], reward=reward)
+
+
+class Barrier:
+    """Holds every workflow until `size` have started: that many are in flight at once."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.started = 0
+        self.open = asyncio.Event()
+        self.peak_bytes = 0
+        self.baseline_bytes = 0
+
+    async def workflow(self, task: Task, model: RolloutEngine) -> Trajectory:
+        self.started += 1
+        if self.started == 1:
+            gc.collect()
+            self.baseline_bytes = tracemalloc.get_traced_memory()[0]
+        if self.started % self.size == 0:
+            self.peak_bytes = max(self.peak_bytes, tracemalloc.get_traced_memory()[0])
+            self.open.set()
+        await self.open.wait()
+        return await single_turn(task, model)
+
+
+def config(args: argparse.Namespace, run_dir: str, **changes: Any) -> dict[str, Any]:
+    trainer = {
+        "total_steps": args.steps,
+        "batch_size": args.groups,
+        "group_size": args.group_size,
+        "eval_every": 0,
+        "eval_before_train": False,
+        "save_every": 0,
+        "max_filtered_in_a_row": 1_000_000,
+    }
+    base: dict[str, Any] = {
+        "name": "overhead",
+        "mode": "async",
+        "workflow": "bench.overhead:single_turn",
+        "trainer": trainer,
+        "async": {"max_staleness": 1, "max_concurrency": args.groups * args.group_size * 2},
+        "sampling": {"train": {"max_tokens": TOKENS}},
+        "logging": {"run_dir": run_dir, "console": False},
+    }
+    for key, value in changes.items():
+        base[key] = {**base[key], **value} if isinstance(value, dict) else value
+    return base
+
+
+def tasks(n: int) -> list[Task]:
+    return [Task(id=f"t{i}", data={"prompt": f"question {i}"}) for i in range(n)]
+
+
+def per_trajectory(args: argparse.Namespace, mode: str) -> float:
+    """Microseconds per trajectory of one run (best of `--repeats`)."""
+    best = float("inf")
+    for repeat in range(args.repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = config(args, tmp, mode=mode, name=f"{mode}{repeat}")
+            trainer = UnifiedTrainer(run, backend=ZeroBackend(), train_tasks=tasks(4096))
+            started = time.perf_counter()
+            trainer.fit()
+            wall = time.perf_counter() - started
+        best = min(best, wall / (args.steps * args.groups * args.group_size) * 1e6)
+    return best
+
+
+def in_flight(args: argparse.Namespace) -> dict[str, float]:
+    """Bytes per in-flight trajectory with `--in-flight` workflows open at once; memory drift."""
+    groups = args.in_flight // args.group_size
+    barrier = Barrier(groups * args.group_size)
+    step_bytes: list[int] = []
+
+    class Measured(ZeroBackend):
+        async def optim_step(self) -> dict[str, float]:
+            gc.collect()
+            step_bytes.append(tracemalloc.get_traced_memory()[0])
+            return {}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = config(
+            args,
+            tmp,
+            trainer={"batch_size": groups, "total_steps": args.in_flight_steps},
+            **{"async": {"max_staleness": 0, "max_concurrency": groups * args.group_size}},
+        )
+        trainer = UnifiedTrainer(
+            run, workflow=barrier.workflow, backend=Measured(), train_tasks=tasks(4096)
+        )
+        tracemalloc.start()
+        try:
+            trainer.fit()
+        finally:
+            tracemalloc.stop()
+    n = groups * args.group_size
+    drift = (step_bytes[-1] - step_bytes[1]) / max(1, len(step_bytes) - 2)
+    return {
+        "bytes_per_in_flight_trajectory": (barrier.peak_bytes - barrier.baseline_bytes) / n,
+        "max_in_flight": float(n),
+        "bytes_drift_per_step": drift,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--groups", type=int, default=64, help="groups per step")
+    parser.add_argument("--group-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per mode (best is kept)")
+    parser.add_argument("--in-flight", type=int, default=10_000)
+    parser.add_argument("--in-flight-steps", type=int, default=4)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    us_async = per_trajectory(args, "async")
+    us_sync = per_trajectory(args, "sync")
+    memory = in_flight(args)
+    print(
+        f"async: {us_async:.1f} us per trajectory "
+        f"({args.groups} groups x {args.group_size} rollouts per step, {args.steps} steps)"
+    )
+    print(f"sync:  {us_sync:.1f} us per trajectory (async/sync {us_async / us_sync:.2f})")
+    print(
+        f"{memory['max_in_flight']:.0f} workflows in flight at once: "
+        f"{memory['bytes_per_in_flight_trajectory']:.0f} bytes each; "
+        f"memory drift {memory['bytes_drift_per_step']:+.0f} bytes per step"
+    )
+    report = {
+        "us_per_trajectory": us_async,
+        "us_per_trajectory_sync": us_sync,
+        "bytes_per_in_flight_trajectory": memory["bytes_per_in_flight_trajectory"],
+        "max_in_flight": int(memory["max_in_flight"]),
+        "bytes_drift_per_step": memory["bytes_drift_per_step"],
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

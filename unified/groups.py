@@ -1,0 +1,281 @@
+"""TrajectoryGroupBuffer: the one owner of every dispatched group, from admission to its outcome.
+
+A group is dispatched (admitted by the coordinator's arithmetic, given a task and a ticket),
+collects its `group_size` episodes in any order, then ends exactly once: *failed* (fewer than two
+usable episodes), *filtered* (all rewards equal: no learning signal) or *ready* (advantages
+computed), and a ready group later ends *trained*. The buffer frees the admission slot of every
+group that ends untrained, writes every group's ledger line, and knows which tasks are in flight
+for a checkpoint. Every state change wakes the waiters, and every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from unified.advantages import compute_advantages
+from unified.checkpoint import LedgerEntry
+from unified.coordinator import SyncCoordinator
+from unified.data import TaskSampler
+from unified.errors import StallError
+from unified.types import Episode, Task, TrajectoryGroup
+
+__all__ = ["EndedGroup", "GroupTicket", "Outcome", "TrajectoryGroupBuffer"]
+
+Outcome = Literal["trained", "filtered", "failed"]
+
+
+@dataclass(frozen=True, order=True)
+class GroupTicket:
+    """A dispatched group: ordered by (dispatch version, dispatch sequence number)."""
+
+    version: int
+    seq: int
+    group_id: str = field(compare=False)
+    task_id: str = field(compare=False)
+
+
+@dataclass(frozen=True)
+class EndedGroup:
+    """A group that ended untrained: what the ledger and the metrics record about it."""
+
+    ticket: GroupTicket
+    outcome: Outcome
+    policy_version: int
+    reason: str
+    rewards: tuple[float, ...]
+
+
+class TrajectoryGroupBuffer:
+    """Admits groups, collects their episodes, decides each group's one outcome, holds the ready.
+
+    `ledger` appends ledger lines (blocking; it is called from a worker thread).
+    """
+
+    def __init__(
+        self,
+        coordinator: SyncCoordinator,
+        tasks: TaskSampler,
+        ledger: Callable[[list[LedgerEntry]], None],
+        *,
+        group_size: int,
+        advantage: str,
+        filter_groups: bool,
+        stall_timeout_s: float,
+    ) -> None:
+        self.coordinator = coordinator
+        self.group_size = group_size
+        self.advantage = advantage
+        self.filter_groups = filter_groups
+        self.next_seq = 0
+        self.unproductive_in_a_row = 0
+        self.last_unproductive_reason = ""
+        self._sampler = tasks
+        self._ledger = ledger
+        self._stall_timeout_s = stall_timeout_s
+        self._redispatch: deque[Task] = deque()
+        self._tasks: dict[str, Task] = {}  # every dispatched group not yet ended, by group id
+        self._episodes: dict[str, list[Episode]] = {}  # groups still generating
+        self._ready: list[tuple[GroupTicket, TrajectoryGroup]] = []  # a heap, oldest first
+        self._ended: list[EndedGroup] = []
+        self._changed = asyncio.Event()
+        self._idle_since: float | None = time.monotonic()
+        self._idle_s = 0.0
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def dispatch(self) -> tuple[GroupTicket, Task]:
+        """Admit one group (call only when `coordinator.can_admit()`); return it and its task."""
+        task = self._redispatch.popleft() if self._redispatch else self._sampler.next()
+        seq = self.next_seq
+        self.next_seq += 1
+        ticket = GroupTicket(self.coordinator.admit(), seq, f"g{seq:06d}-{task.id}", task.id)
+        self._tasks[ticket.group_id] = task
+        self._episodes[ticket.group_id] = []
+        if self._idle_since is not None:
+            self._idle_s += time.monotonic() - self._idle_since
+            self._idle_since = None
+        return ticket, task
+
+    def set_wanted(self, groups: int) -> None:
+        """Admit no more groups than the run still needs to train."""
+        self.coordinator.wanted = groups
+        self._notify()
+
+    def open_window(self, version: int) -> None:
+        """Weights of `version` serve sampling now; a new window of admission slots opens."""
+        self.coordinator.open_window(version)
+        self._notify()
+
+    # -- episodes and outcomes ------------------------------------------------------------------
+
+    def add_episode(self, ticket: GroupTicket, episode: Episode) -> None:
+        """One finished episode; the group ends when its `group_size`-th episode arrives."""
+        episodes = self._episodes[ticket.group_id]
+        episodes.append(episode)
+        if len(episodes) < self.group_size:
+            return
+        del self._episodes[ticket.group_id]
+        if not self._episodes:
+            self._idle_since = time.monotonic()
+        episodes.sort(key=lambda e: e.rollout_index)
+        self._end(ticket, episodes)
+        self._notify()
+
+    def _end(self, ticket: GroupTicket, episodes: list[Episode]) -> None:
+        usable = [e for e in episodes if e.status == "ok"]
+        oldest = min([ticket.version, *(e.oldest_version for e in usable)])
+        rewards = [e.reward for e in usable]
+        if len(usable) < min(2, self.group_size):
+            reason = f"{len(episodes) - len(usable)} of {len(episodes)} episodes failed"
+            self._end_untrained(EndedGroup(ticket, "failed", oldest, reason, tuple(rewards)))
+        elif self.filter_groups and len(usable) > 1 and max(rewards) == min(rewards):
+            reason = f"all rewards {rewards[0]:g}"
+            self._end_untrained(EndedGroup(ticket, "filtered", oldest, reason, tuple(rewards)))
+        else:
+            self.unproductive_in_a_row = 0
+            group = TrajectoryGroup(
+                task_id=ticket.task_id,
+                episodes=usable,
+                advantages=compute_advantages(self.advantage, rewards),
+                policy_version=oldest,
+                group_id=ticket.group_id,
+            )
+            heapq.heappush(self._ready, (ticket, group))
+
+    def _end_untrained(self, ended: EndedGroup) -> None:
+        self.unproductive_in_a_row += 1
+        self.last_unproductive_reason = f"{ended.outcome}: {ended.reason}"
+        self.coordinator.release(ended.ticket.version)
+        self._ended.append(ended)
+
+    async def next_ready(self) -> tuple[GroupTicket, TrajectoryGroup]:
+        """Wait for the oldest ready group that the staleness arithmetic lets train now."""
+        taken: list[tuple[GroupTicket, TrajectoryGroup]] = []
+
+        def ready() -> bool:
+            item = self.take_ready()
+            if item is not None:
+                taken.append(item)
+            return item is not None
+
+        await self.wait_until(ready, "a trainable group")
+        return taken[0]
+
+    def take_ready(self) -> tuple[GroupTicket, TrajectoryGroup] | None:
+        """The oldest ready group, if the staleness arithmetic lets it train now."""
+        # may_take is monotone in the version: if the oldest may not train, no newer one may.
+        if not self._ready or not self.coordinator.may_take(self._ready[0][0].version):
+            return None
+        ticket, group = heapq.heappop(self._ready)
+        self.coordinator.take(ticket.version)
+        self._notify()
+        return ticket, group
+
+    async def write_ended(self, step: int) -> list[EndedGroup]:
+        """Write the ledger lines of groups that ended untrained since the last call (in `step`)."""
+        ended, self._ended = self._ended, []
+        for e in ended:
+            # Until its line is written a group counts as in flight: resume dispatches it again.
+            del self._tasks[e.ticket.group_id]
+        version = self.coordinator.version
+        lines = [
+            _line(e.ticket, e.outcome, step, e.policy_version, version, e.reason) for e in ended
+        ]
+        if lines:
+            await asyncio.to_thread(self._ledger, lines)
+        return ended
+
+    async def write_trained(
+        self, items: Sequence[tuple[GroupTicket, TrajectoryGroup]], step: int, version: int
+    ) -> None:
+        """`items` were trained in `step` onto the weights of `version`: they end here."""
+        for ticket, _ in items:
+            del self._tasks[ticket.group_id]
+        lines = [_line(t, "trained", step, g.policy_version, version) for t, g in items]
+        await asyncio.to_thread(self._ledger, lines)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def in_flight(self) -> list[str]:
+        """Ids of the tasks to dispatch again on resume: dispatched groups not yet ended, first."""
+        return [task.id for task in self._tasks.values()] + [t.id for t in self._redispatch]
+
+    def restore(
+        self, *, version: int, taken: int, next_seq: int, redispatch: Iterable[Task]
+    ) -> None:
+        """Continue a run at `version` with `taken` groups trained in its window, sequence
+        numbers from `next_seq`, and the tasks in flight at the checkpoint dispatched first."""
+        self.coordinator.restore(version, taken=taken)
+        self.next_seq = next_seq
+        self._redispatch.extend(redispatch)
+        self._notify()
+
+    def take_idle_seconds(self) -> float:
+        """Seconds since the last call during which no group was generating."""
+        idle = self._idle_s
+        if self._idle_since is not None:
+            now = time.monotonic()
+            idle += now - self._idle_since
+            self._idle_since = now
+        self._idle_s = 0.0
+        return idle
+
+    # -- waiting --------------------------------------------------------------------------------
+
+    async def wait_until(
+        self, predicate: Callable[[], bool], what: str, *, stall_clock: bool = True
+    ) -> None:
+        """Wait until `predicate()` holds; fail if nothing changes for `stall_timeout_s`.
+
+        Every state change restarts the clock. `stall_clock=False` waits without it, for waits
+        that only the trainer itself can end (admission, while it evaluates or saves).
+        """
+        limit = self._stall_timeout_s if stall_clock else None
+        while not predicate():
+            changed = self._changed
+            try:
+                async with asyncio.timeout(limit):
+                    await changed.wait()
+            except TimeoutError:
+                raise StallError(
+                    f"waited {limit:g} s for {what} with no progress ({self.describe()}); "
+                    "raise trainer.stall_timeout if steps are legitimately this slow"
+                ) from None
+
+    def describe(self) -> str:
+        """Who is where, for error messages: versions, groups generating, ready and taken."""
+        c = self.coordinator
+        return (
+            f"version={c.version}, alive={c.alive}, generating={len(self._episodes)}, "
+            f"ready={len(self._ready)}, taken={c.taken}/{c.slots_per_window}"
+        )
+
+    def _notify(self) -> None:
+        # Replace the event so each waiter re-checks its predicate exactly once per change.
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
+def _line(
+    ticket: GroupTicket,
+    outcome: Outcome,
+    step: int,
+    policy_version: int,
+    trainer_version: int,
+    reason: str = "",
+) -> LedgerEntry:
+    return LedgerEntry(
+        group_id=ticket.group_id,
+        task_id=ticket.task_id,
+        outcome=outcome,
+        step=step,
+        policy_version=policy_version,
+        trainer_version=trainer_version,
+        reason=reason,
+    )

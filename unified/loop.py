@@ -1,0 +1,322 @@
+"""TrainingLoop: one `fit`, read top to bottom — dispatch groups, train ready ones, sync weights.
+
+Both modes are this one loop. A dispatcher admits groups whenever the coordinator allows and runs
+each group's `group_size` workflows; the trainer takes ready groups oldest first, calls
+`forward_backward` on them (in async mode streamed, `micro_batch_size` groups at a time, while
+later groups still generate), `optim_step`, and every `sync_every` steps `on_policy_updated`.
+That call is the trainer's only wait at a sync: workflows keep running through it, and what
+happens to a model request running at that moment is the backend's concern. Sync mode is the
+same loop at staleness 0 with an admission window of one step that trains only a whole batch,
+so generation and training alternate. Every task lives in a `TaskGroup` owned by `run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from unified.checkpoint import RunDirectory, TrainerState
+from unified.config import TrainerConfig
+from unified.coordinator import SyncCoordinator
+from unified.data import TaskSampler
+from unified.errors import TrainingStopped
+from unified.evaluation import evaluate
+from unified.groups import EndedGroup, GroupTicket, TrajectoryGroupBuffer
+from unified.metrics import MetricsAggregator
+from unified.protocol import BackendProtocol
+from unified.rollout import SamplingEngine, WorkflowFn, WorkflowSlots, run_episode
+from unified.schedule import learning_rate
+from unified.types import Episode, Task, TrajectoryGroup
+
+__all__ = ["TrainingLoop"]
+
+Item = tuple[GroupTicket, TrajectoryGroup]
+
+
+class TrainingLoop:
+    """The state of one `fit` call and the loop that drives it; `UnifiedTrainer` builds it."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        workflow: WorkflowFn,
+        backend: BackendProtocol,
+        *,
+        train_tasks: Sequence[Task],
+        eval_tasks: Sequence[Task],
+        run: RunDirectory,
+        metrics: MetricsAggregator,
+    ) -> None:
+        self.config = config
+        self.workflow = workflow
+        self.backend = backend
+        self.train_tasks = train_tasks
+        self.eval_tasks = eval_tasks
+        self.run_dir = run
+        self.metrics = metrics
+        settings = config.trainer
+        self.sampler = TaskSampler(train_tasks, seed=settings.seed)
+        self.coordinator = SyncCoordinator.for_config(config)
+        self.groups = TrajectoryGroupBuffer(
+            self.coordinator,
+            self.sampler,
+            run.append_ledger,
+            group_size=settings.group_size,
+            advantage=settings.advantage,
+            filter_groups=settings.filter_groups,
+            stall_timeout_s=settings.stall_timeout,
+        )
+        self.slots = WorkflowSlots.for_config(config)
+        self.step = 0
+        self.last_metrics: dict[str, float] = {}
+        # Async mode trains a micro-batch as soon as it is ready; sync mode only a whole batch.
+        self._train_every = (
+            (settings.micro_batch_size or settings.batch_size)
+            if config.mode == "async"
+            else settings.batch_size
+        )
+        self._train_sampling = config.sampling.train.model_dump()
+        self._episodes_done = 0
+        self._episodes_failed = 0
+        self._tokens = 0
+        self._time_up = False
+        self._started = self._step_started = time.monotonic()
+
+    # -- start and run ----------------------------------------------------------------------------
+
+    async def start(self, checkpoint: Path | None) -> None:
+        """Restore `checkpoint` if given, then evaluate before training."""
+        settings = self.config.trainer
+        if checkpoint is not None:
+            state = await RunDirectory.load_checkpoint(checkpoint, self.backend.load_checkpoint)
+            self.step = state.step
+            self.sampler.load_state_dict(state.sampler)
+            by_id = {task.id: task for task in self.train_tasks}
+            # The backend restored its sampler (weights and version) itself; reopen the window
+            # at the point the checkpoint was taken.
+            self.groups.restore(
+                version=state.version,
+                taken=(state.step % self.coordinator.steps_per_window) * settings.batch_size,
+                next_seq=state.next_seq,
+                redispatch=[by_id[i] for i in state.redispatch if i in by_id],
+            )
+        if self.step == 0 and settings.eval_before_train and self.eval_tasks:
+            await self._log(await self._evaluate())
+        self.groups.set_wanted(self._groups_wanted(0))
+        self._step_started = self._started = time.monotonic()
+        self.groups.take_idle_seconds()
+
+    async def run(self) -> None:
+        """Train until `total_steps` (or `max_time_s`); the dispatcher runs alongside."""
+        async with asyncio.TaskGroup() as tg:
+            dispatcher = tg.create_task(self._dispatch())
+            try:
+                while not self.finished:
+                    await self._train_step()
+            finally:
+                dispatcher.cancel()
+
+    @property
+    def finished(self) -> bool:
+        """All `total_steps` done, or the `max_time_s` budget spent by the last step."""
+        return self.step >= self.config.trainer.total_steps or self._time_up
+
+    # -- generation -------------------------------------------------------------------------------
+
+    async def _dispatch(self) -> None:
+        """Admit groups whenever the coordinator allows; their workflows run as tasks here."""
+        group_size = self.config.trainer.group_size
+        can_admit = self.coordinator.can_admit
+        async with asyncio.TaskGroup() as rollouts:
+            while True:
+                # No stall clock: only the trainer frees slots, and its own waits have deadlines.
+                await self.groups.wait_until(can_admit, "an admission slot", stall_clock=False)
+                ticket, task = self.groups.dispatch()
+                for index in range(group_size):
+                    rollouts.create_task(self._rollout(ticket, task, index))
+
+    async def _rollout(self, ticket: GroupTicket, task: Task, index: int) -> None:
+        settings = self.config.trainer
+        seed = ((settings.seed * 1_000_003 + ticket.seq) * 1_009 + index) % 2**31
+        async with self.slots:
+            engine = SamplingEngine(self.backend.rollout_engine(), self._train_sampling, seed)
+            episode, error = await run_episode(
+                self.workflow,
+                task,
+                engine,
+                rollout_index=index,
+                version=ticket.version,
+                timeout_s=settings.workflow_timeout,
+            )
+        self._tokens += engine.completion_tokens
+        self._episodes_done += 1
+        if error is not None:
+            self._count_failure(episode, error)
+        self.groups.add_episode(ticket, episode)
+        if self.groups.unproductive_in_a_row >= settings.max_filtered_in_a_row:
+            raise TrainingStopped(
+                f"the last {self.groups.unproductive_in_a_row} groups all ended filtered (equal "
+                f"rewards) or failed (last one {self.groups.last_unproductive_reason}), after "
+                f"{self.step} trained steps: the rewards give no learning signal for this policy; "
+                "check the workflow's reward, or set trainer.filter_groups=false"
+            )
+
+    def _count_failure(self, episode: Episode, error: BaseException) -> None:
+        """Count a failed episode; past `max_error_rate`, re-raise its exception."""
+        settings = self.config.trainer
+        self._episodes_failed += 1
+        key = "episodes/timeouts" if episode.status == "timeout" else "episodes/errors"
+        self.metrics.record(key, 1.0)
+        floor = settings.batch_size * settings.group_size
+        if self._episodes_failed > settings.max_error_rate * max(self._episodes_done, floor):
+            error.add_note(
+                f"unified: {self._episodes_failed} of {self._episodes_done} episodes failed, "
+                f"above trainer.max_error_rate={settings.max_error_rate:g}; training stopped"
+            )
+            raise error
+
+    # -- one optimizer step -----------------------------------------------------------------------
+
+    async def _train_step(self) -> None:
+        """Take `batch_size` ready groups (training them as they come in async mode), then step."""
+        batch = self.config.trainer.batch_size
+        items: list[Item] = []
+        wait_s = forward_s = 0.0
+        while len(items) < batch:
+            started = time.monotonic()
+            items.append(await self.groups.next_ready())
+            wait_s += time.monotonic() - started
+            self.groups.set_wanted(self._groups_wanted(len(items)))
+            self._record_ended(await self.groups.write_ended(self.step + 1))
+            if len(items) % self._train_every == 0 or len(items) == batch:
+                first = (len(items) - 1) // self._train_every * self._train_every
+                forward_s += await self._forward(items[first:])
+        await self._finish_step(items, forward_s=forward_s, wait_s=wait_s)
+
+    async def _forward(self, items: list[Item]) -> float:
+        """`forward_backward` on `items` in dispatch order, `micro_batch_size` groups a call."""
+        started = time.monotonic()
+        ordered = sorted(items, key=lambda item: item[0])
+        chunk = self.config.trainer.micro_batch_size or self.config.trainer.batch_size
+        for start in range(0, len(ordered), chunk):
+            groups = [group for _, group in ordered[start : start + chunk]]
+            self.metrics.record_many(await self.backend.forward_backward(groups))
+        return time.monotonic() - started
+
+    async def _finish_step(self, items: list[Item], *, forward_s: float, wait_s: float) -> None:
+        """Optimizer step, ledger, weight sync every `sync_every` steps, metrics, eval, save."""
+        settings = self.config.trainer
+        items.sort(key=lambda item: item[0])
+        version = self.coordinator.version
+        train_started = time.monotonic()
+        self.backend.set_learning_rate(learning_rate(settings, self.step))
+        self.metrics.record_many(await self.backend.optim_step())
+        train_s = forward_s + time.monotonic() - train_started
+        self.step += 1
+        for _, group in items:
+            self._record_rewards([e.reward for e in group.episodes])
+        await self.groups.write_trained(items, self.step, version)
+        sync_s = 0.0
+        if self.step % self.config.async_.sync_every == 0:
+            sync_s = await self._sync_weights()
+        elif self.step % self.coordinator.steps_per_window == 0:
+            self.groups.open_window(self.coordinator.version)
+        self.groups.set_wanted(self._groups_wanted(0))
+        staleness = [version - group.policy_version for _, group in items]
+        step_s = time.monotonic() - self._step_started
+        budget = settings.max_time_s
+        # Decided once per step, so the final eval and save see the same answer as the loop.
+        self._time_up = budget is not None and time.monotonic() - self._started >= budget
+        self.metrics.record_many(
+            {
+                "groups/trained": float(len(items)),
+                # Counters appear every step, zero or not, so curves have no gaps.
+                "groups/filtered": 0.0,
+                "episodes/errors": 0.0,
+                "episodes/timeouts": 0.0,
+                "staleness/mean": sum(staleness) / len(staleness),
+                "staleness/max": float(max(staleness)),
+                "optim/lr": learning_rate(settings, self.step - 1),
+            }
+        )
+        per_step = 1.0 / step_s if step_s > 0 else 0.0
+        timing = {
+            "step": float(self.step),
+            "policy/version": float(self.coordinator.version),
+            "time/step": step_s,
+            "time/generate": wait_s,
+            "time/train": train_s,
+            "time/sync": sync_s,
+            "throughput/tokens_per_s": self._tokens * per_step,
+            # Every second not spent training or syncing, the trainer was waiting on something.
+            "trainer/idle_ratio": max(0.0, step_s - train_s - sync_s) * per_step,
+            "rollout/idle_ratio": self.groups.take_idle_seconds() * per_step,
+        }
+        self._tokens = 0
+        metrics = {**self.metrics.flush(), **timing}
+        if self.eval_tasks and self._eval_due():
+            metrics.update(await self._evaluate())
+        await self._log(metrics)
+        if settings.save_every and (self.step % settings.save_every == 0 or self.finished):
+            await self._save()
+        # Evaluation, logging and saving belong to no step's timing.
+        self._step_started = time.monotonic()
+
+    async def _sync_weights(self) -> float:
+        """Make the trained weights the next policy version; running workflows carry on."""
+        started = time.monotonic()
+        version = self.coordinator.version + 1
+        await self.backend.on_policy_updated(version)
+        self.groups.open_window(version)
+        return time.monotonic() - started
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+
+    def _groups_wanted(self, taken_this_step: int) -> int:
+        settings = self.config.trainer
+        remaining = (settings.total_steps - self.step) * settings.batch_size - taken_this_step
+        return max(0, remaining)
+
+    def _record_ended(self, ended: list[EndedGroup]) -> None:
+        for group in ended:
+            self.metrics.record(f"groups/{group.outcome}", 1.0)
+            self._record_rewards(group.rewards)
+
+    def _record_rewards(self, rewards: Sequence[float]) -> None:
+        """Rewards of groups that ended this step (trained or not): `reward/mean`, `/std`."""
+        for reward in rewards:
+            self.metrics.record("reward/mean", reward)
+            self.metrics.record("reward/std", reward)
+
+    def _eval_due(self) -> bool:
+        every = self.config.trainer.eval_every
+        return every > 0 and (self.step % every == 0 or self.finished)
+
+    async def _evaluate(self) -> dict[str, float]:
+        settings = self.config.trainer
+        return await evaluate(
+            self.workflow,
+            self.backend.rollout_engine(),
+            self.eval_tasks,
+            self.config.sampling.eval,
+            seed=settings.seed,
+            version=self.coordinator.version,
+            timeout_s=settings.workflow_timeout,
+            slots=self.slots,
+        )
+
+    async def _log(self, metrics: dict[str, float]) -> None:
+        self.last_metrics = metrics
+        await asyncio.to_thread(self.metrics.log, self.step, metrics)
+
+    async def _save(self) -> None:
+        state = TrainerState(
+            step=self.step,
+            version=self.coordinator.version,
+            next_seq=self.groups.next_seq,
+            sampler=self.sampler.state_dict(),
+            redispatch=self.groups.in_flight(),
+        )
+        await self.run_dir.save_checkpoint(state, self.backend.save_checkpoint)

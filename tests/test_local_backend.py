@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from backends.local import sampler as sampler_module
 from backends.local.backend import LocalBackend
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
@@ -102,6 +104,39 @@ async def test_sampler_keeps_old_weights_until_the_policy_update() -> None:
     await backend.on_policy_updated(1)
     fresh = await sample(backend, PROMPTS[0], 99, temperature=0.0, max_tokens=4)
     assert fresh.policy_version == 1 and fresh.logprobs != before.logprobs
+    await backend.shutdown()
+
+
+async def test_weight_sync_swaps_between_batches_and_waits_for_no_running_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend = await started()
+    greedy = {"temperature": 0.0, "max_tokens": 4}
+    before = await sample(backend, PROMPTS[0], 99, **greedy)
+    with torch.no_grad():
+        for p in backend.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    entered, release = threading.Event(), threading.Event()
+    real = sampler_module.generate_batch
+
+    def held_batch(*args: Any, **kw: Any) -> list[ModelOutput]:
+        entered.set()
+        assert release.wait(10), "the test never released the batch"
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sampler_module, "generate_batch", held_batch)
+    running = asyncio.create_task(sample(backend, PROMPTS[0], 99, **greedy))
+    assert await asyncio.to_thread(entered.wait, 10), "the batch never started"
+    async with asyncio.timeout(10):
+        await backend.on_policy_updated(1)  # returns while the batch is still running
+    assert not running.done()
+    release.set()
+    async with asyncio.timeout(10):
+        old = await running
+    monkeypatch.setattr(sampler_module, "generate_batch", real)
+    new = await sample(backend, PROMPTS[0], 99, **greedy)
+    assert (old.policy_version, old.logprobs) == (0, before.logprobs), "finished on old weights"
+    assert new.policy_version == 1 and new.logprobs != before.logprobs, "next batch is new"
     await backend.shutdown()
 
 

@@ -2,7 +2,8 @@
 
 The trainer model learns; the sampler holds its own copy of the weights that only
 `on_policy_updated` refreshes, so async rollouts really come from an older policy and
-`train/kl_sample_train` measures that gap. Gradients of several `forward_backward` calls
+`train/kl_sample_train` measures that gap. A sync swaps the new weights in between sampler
+batches (a running batch finishes on the old ones), so it waits for no request. Gradients of several `forward_backward` calls
 accumulate until `optim_step` (AdamW, gradient clipping). Every blocking call runs in a worker
 thread. Checkpoints are safetensors: model, sampler, optimizer and RNG.
 """
@@ -154,6 +155,7 @@ class LocalBackend(BackendProtocol):
 
     async def on_policy_updated(self, version: int) -> None:
         # load_state_dict copies, and no training call runs concurrently with a sync.
+        # The sampler keeps a second copy: running batches finish on the old weights.
         await asyncio.to_thread(self.sampler.load_weights, self.model.state_dict(), version)
 
     # -- training -----------------------------------------------------------------------------

@@ -6,8 +6,11 @@ arrive while a batch runs join the next batch. No background task is needed: the
 request whose batch has not run yet starts it in a worker thread; a request cancelled meanwhile
 (e.g. by a workflow timeout) does not lose the batch for the others.
 
-The sampler holds its own copy of the policy's weights; `load_weights` replaces it (the weight
-sync), so asynchronous training really samples from an older policy.
+The sampler holds its own copy of the policy's weights, so asynchronous training really samples
+from an older policy. `load_weights` (the weight sync) loads the new weights into a second,
+standby copy and swaps it in: a batch already running finishes on the weights it started with,
+the next batch uses the new ones, and the sync waits for no batch (only for one still running on
+the standby copy, when two syncs land inside one batch).
 """
 
 from __future__ import annotations
@@ -184,6 +187,15 @@ def _text(
     return text
 
 
+class _Weights:
+    """One copy of the sampling weights, its policy version, and the lock a batch holds on it."""
+
+    def __init__(self, model: PreTrainedModel, version: int) -> None:
+        self.model = model
+        self.version = version
+        self.in_use = threading.Lock()
+
+
 class BatchingSampler:
     """Serves concurrent `generate` calls by batching them over a private copy of the weights."""
 
@@ -194,24 +206,45 @@ class BatchingSampler:
         *,
         max_batch: int = 64,
     ) -> None:
-        self.model = copy.deepcopy(model).eval()
-        for p in self.model.parameters():
+        sampling = copy.deepcopy(model).eval()
+        for p in sampling.parameters():
             p.requires_grad_(False)
+        self._current = _Weights(sampling, version=0)
+        self._standby: _Weights | None = None  # made at the first sync
+        self._swap = threading.Lock()  # guards which copy is current
+        self._loading = threading.Lock()  # one weight load at a time
         self.tokenizer = tokenizer
         self.max_batch = max_batch
-        self.version = 0
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self.batches = 0
         self._queue: list[Request] = []
         self._running: asyncio.Future[Any] | None = None
         self._batch_done: asyncio.Future[None] | None = None
-        self._weights_lock = threading.Lock()
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The weights the next batch samples from."""
+        return self._current.model
+
+    @property
+    def version(self) -> int:
+        """The policy version of `model`."""
+        return self._current.version
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Replace the sampling weights (blocking; waits for a running batch to finish)."""
-        with self._weights_lock, torch.no_grad():
-            self.model.load_state_dict(state_dict)
-            self.version = version
+        """Make `state_dict` the sampling weights of `version` for every batch that starts later.
+
+        Blocking (call it from a worker thread). A running batch keeps the weights it started with.
+        """
+        with self._loading:
+            standby = self._standby
+            if standby is None:
+                standby = _Weights(copy.deepcopy(self._current.model), version)
+            with standby.in_use, torch.no_grad():
+                standby.model.load_state_dict(state_dict)
+                standby.version = version
+            with self._swap:
+                self._standby, self._current = self._current, standby
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
         """Sample one completion; batched with whatever else is waiting."""
@@ -275,11 +308,16 @@ class BatchingSampler:
         running.add_done_callback(deliver)
 
     def _run(self, batch: list[Request]) -> list[ModelOutput]:
-        with self._weights_lock:
+        with self._swap:
+            weights = self._current
+            weights.in_use.acquire()
+        try:
             return generate_batch(
-                self.model,
+                weights.model,
                 self.tokenizer,
                 batch,
-                version=self.version,
+                version=weights.version,
                 max_positions=self.max_positions,
             )
+        finally:
+            weights.in_use.release()

@@ -5,8 +5,10 @@ zero-latency single-turn workflow run through the real `UnifiedTrainer`, so the 
 trainer's own work: dispatch, the sampling engine's per-request settings, the episode, group
 completion, advantages, filtering, the ledger and the metrics. Three figures:
 
-- microseconds per trajectory, async loop, `--groups` x `--group-size` rollouts per step (the sync
-  loop is run too, as the in-process reference);
+- microseconds per trajectory in steady state (from the first optimizer step to the last, so
+  start-up is left out), async loop, `--groups` x `--group-size` rollouts per step; the sync loop
+  runs too, and so does the in-process baseline: the same workflow and backend calls awaited one
+  after another with no trainer around them (what the trainer adds is the difference);
 - bytes per in-flight trajectory: `--in-flight` workflows held open at once (each waits until all
   have started), traced with `tracemalloc`, over a baseline taken just before they start;
 - that run with 10,000 workflows in flight completing, with memory flat across its steps.
@@ -33,6 +35,7 @@ from unified import (
     BackendProtocol,
     ModelOutput,
     RolloutEngine,
+    SamplingParams,
     Step,
     Task,
     Trajectory,
@@ -40,6 +43,7 @@ from unified import (
     UnifiedTrainer,
 )
 from unified.config import TrainerConfig
+from unified.rollout import SamplingEngine
 
 TOKENS = 16
 
@@ -85,6 +89,7 @@ class ZeroBackend(BackendProtocol):
 
     def __init__(self) -> None:
         self.version = 0
+        self.step_times: list[tuple[float, float]] = []  # (wall, CPU) at each optimizer step
 
     async def setup(self, config: TrainerConfig) -> None:
         pass
@@ -96,6 +101,7 @@ class ZeroBackend(BackendProtocol):
         return {"train/loss": 0.0}
 
     async def optim_step(self) -> dict[str, float]:
+        self.step_times.append((time.perf_counter(), time.process_time()))
         return {}
 
     async def on_policy_updated(self, version: int) -> None:
@@ -120,22 +126,28 @@ async def single_turn(task: Task, model: RolloutEngine) -> Trajectory:
 
 
 class Barrier:
-    """Holds every workflow until `size` have started: that many are in flight at once."""
+    """Holds every workflow until `size` have started: that many are in flight at once.
+
+    Each time it fills, it notes the traced memory over what was traced (after a collection)
+    when its first workflow of that round started.
+    """
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.started = 0
         self.open = asyncio.Event()
         self.peak_bytes = 0
-        self.baseline_bytes = 0
+        self._baseline = 0
 
     async def workflow(self, task: Task, model: RolloutEngine) -> Trajectory:
         self.started += 1
-        if self.started == 1:
+        if self.started % self.size == 1:
+            self.open.clear()
             gc.collect()
-            self.baseline_bytes = tracemalloc.get_traced_memory()[0]
-        if self.started % self.size == 0:
-            self.peak_bytes = max(self.peak_bytes, tracemalloc.get_traced_memory()[0])
+            self._baseline = tracemalloc.get_traced_memory()[0]
+        elif self.started % self.size == 0:
+            used = tracemalloc.get_traced_memory()[0] - self._baseline
+            self.peak_bytes = max(self.peak_bytes, used)
             self.open.set()
         await self.open.wait()
         return await single_turn(task, model)
@@ -169,18 +181,33 @@ def tasks(n: int) -> list[Task]:
     return [Task(id=f"t{i}", data={"prompt": f"question {i}"}) for i in range(n)]
 
 
-def per_trajectory(args: argparse.Namespace, mode: str) -> float:
-    """Microseconds per trajectory of one run (best of `--repeats`)."""
-    best = float("inf")
+def per_trajectory(args: argparse.Namespace, mode: str) -> tuple[float, float]:
+    """Steady-state (wall, CPU) microseconds per trajectory of one run (best of `--repeats`)."""
+    best = (float("inf"), float("inf"))
     for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
             run = config(args, tmp, mode=mode, name=f"{mode}{repeat}")
-            trainer = UnifiedTrainer(run, backend=ZeroBackend(), train_tasks=tasks(4096))
-            started = time.perf_counter()
-            trainer.fit()
-            wall = time.perf_counter() - started
-        best = min(best, wall / (args.steps * args.groups * args.group_size) * 1e6)
+            backend = ZeroBackend()
+            UnifiedTrainer(run, backend=backend, train_tasks=tasks(4096)).fit()
+        (wall0, cpu0), (wall1, cpu1) = backend.step_times[0], backend.step_times[-1]
+        n = (len(backend.step_times) - 1) * args.groups * args.group_size
+        best = min(best, ((wall1 - wall0) / n * 1e6, (cpu1 - cpu0) / n * 1e6))
     return best
+
+
+def direct(args: argparse.Namespace) -> float:
+    """Microseconds per call of the workflow and backend alone, awaited one after another."""
+
+    async def calls(n: int) -> float:
+        engine, work = ZeroBackend().rollout_engine(), tasks(1024)
+        defaults = SamplingParams(max_tokens=TOKENS)
+        started = time.perf_counter()
+        for i in range(n):
+            await single_turn(work[i % 1024], SamplingEngine(engine, defaults, seed=i))
+        return (time.perf_counter() - started) / n * 1e6
+
+    n = (args.steps - 1) * args.groups * args.group_size
+    return min(asyncio.run(calls(n)) for _ in range(args.repeats))
 
 
 def in_flight(args: argparse.Namespace) -> dict[str, float]:
@@ -213,7 +240,7 @@ def in_flight(args: argparse.Namespace) -> dict[str, float]:
     n = groups * args.group_size
     drift = (step_bytes[-1] - step_bytes[1]) / max(1, len(step_bytes) - 2)
     return {
-        "bytes_per_in_flight_trajectory": (barrier.peak_bytes - barrier.baseline_bytes) / n,
+        "bytes_per_in_flight_trajectory": barrier.peak_bytes / n,
         "max_in_flight": float(n),
         "bytes_drift_per_step": drift,
     }
@@ -229,14 +256,23 @@ def main() -> None:
     parser.add_argument("--in-flight-steps", type=int, default=4)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
-    us_async = per_trajectory(args, "async")
-    us_sync = per_trajectory(args, "sync")
+    (us_async, cpu_async), (us_sync, _) = (
+        per_trajectory(args, "async"),
+        per_trajectory(args, "sync"),
+    )
+    us_direct = direct(args)
     memory = in_flight(args)
     print(
-        f"async: {us_async:.1f} us per trajectory "
-        f"({args.groups} groups x {args.group_size} rollouts per step, {args.steps} steps)"
+        f"{args.groups} groups x {args.group_size} rollouts per step, {args.steps} steps, "
+        "steady state:"
     )
-    print(f"sync:  {us_sync:.1f} us per trajectory (async/sync {us_async / us_sync:.2f})")
+    print(f"  async trainer: {us_async:.1f} us per trajectory ({cpu_async:.1f} us of CPU)")
+    print(f"  sync trainer:  {us_sync:.1f} us per trajectory")
+    print(f"  workflow + backend alone, no trainer: {us_direct:.1f} us per call")
+    print(
+        f"  the async trainer adds {us_async - us_direct:.1f} us per trajectory "
+        f"({us_async / us_direct:.2f}x the bare calls)"
+    )
     print(
         f"{memory['max_in_flight']:.0f} workflows in flight at once: "
         f"{memory['bytes_per_in_flight_trajectory']:.0f} bytes each; "
@@ -244,9 +280,11 @@ def main() -> None:
     )
     report = {
         "us_per_trajectory": us_async,
-        "us_per_trajectory_sync": us_sync,
         "bytes_per_in_flight_trajectory": memory["bytes_per_in_flight_trajectory"],
         "max_in_flight": int(memory["max_in_flight"]),
+        "cpu_us_per_trajectory": cpu_async,
+        "us_per_trajectory_sync": us_sync,
+        "us_per_call_without_trainer": us_direct,
         "bytes_drift_per_step": memory["bytes_drift_per_step"],
     }
     if args.json:

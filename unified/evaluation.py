@@ -19,6 +19,7 @@ from unified.errors import ConfigError
 from unified.protocol import RolloutEngine, check_capabilities, create_backend
 from unified.rollout import (
     SamplingEngine,
+    WorkflowDeadlines,
     WorkflowFn,
     WorkflowSlots,
     resolve_workflow,
@@ -58,12 +59,13 @@ async def evaluate(
     started = time.monotonic()
     episodes: list[Episode] = []
     defaults = sampling.model_dump()
+    deadlines = WorkflowDeadlines(timeout_s)
 
     async def one(index: int, task: Task) -> None:
         async with slots:
             view = SamplingEngine(engine, defaults, seed + index)
             episode, _ = await run_episode(
-                workflow, task, view, rollout_index=0, version=version, timeout_s=timeout_s
+                workflow, task, view, rollout_index=0, version=version, deadlines=deadlines
             )
         episodes.append(episode)
 

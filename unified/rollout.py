@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,12 +20,19 @@ from asyncio_throttle.throttler import Throttler
 from unified.errors import BackendError, UsageError, WorkflowError
 from unified.imports import import_object
 from unified.protocol import RolloutEngine, Tokenizer
-from unified.types import Episode, ModelOutput, SamplingParams, Task, Trajectory
+from unified.types import Episode, EpisodeStatus, ModelOutput, SamplingParams, Task, Trajectory
 
 if TYPE_CHECKING:
     from unified.config import TrainerConfig
 
-__all__ = ["SamplingEngine", "WorkflowFn", "WorkflowSlots", "resolve_workflow", "run_episode"]
+__all__ = [
+    "SamplingEngine",
+    "WorkflowDeadlines",
+    "WorkflowFn",
+    "WorkflowSlots",
+    "resolve_workflow",
+    "run_episode",
+]
 
 WorkflowFn = Callable[[Task, RolloutEngine], Awaitable[Any]]
 
@@ -142,6 +150,54 @@ def resolve_workflow(workflow: Any) -> WorkflowFn:
     )
 
 
+class WorkflowDeadlines:
+    """One timer for many workflow runs: a run still going `timeout_s` after it began is cancelled.
+
+    Every run has the same timeout, so deadlines come in start order: running runs wait in an
+    ordered dict and a single `call_at` handle points at the earliest. (An `asyncio.timeout`
+    per run costs a timer handle, a heap push and a cancellation each: a sixth of the trainer's
+    time per trajectory in `bench/overhead.py`.)
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._running: OrderedDict[asyncio.Task[Any], float] = OrderedDict()
+        self._expired: set[asyncio.Task[Any]] = set()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> asyncio.Task[Any]:
+        """Watch the current task from now on; returns it, for `finish`."""
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("WorkflowDeadlines.start() must run inside an asyncio task")
+        loop = task.get_loop()
+        deadline = loop.time() + self.timeout_s
+        self._running[task] = deadline
+        if self._timer is None:
+            self._timer = loop.call_at(deadline, self._expire, loop)
+        return task
+
+    def finish(self, task: asyncio.Task[Any]) -> bool:
+        """Stop watching `task`; True if its deadline passed (then it was cancelled for it)."""
+        self._running.pop(task, None)
+        if task in self._expired:
+            self._expired.discard(task)
+            return True
+        return False
+
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        now = loop.time()
+        while self._running:
+            task, deadline = next(iter(self._running.items()))
+            if deadline > now:
+                self._timer = loop.call_at(deadline, self._expire, loop)
+                return
+            del self._running[task]
+            self._expired.add(task)
+            task.cancel()
+
+
 async def run_episode(
     workflow: WorkflowFn,
     task: Task,
@@ -149,30 +205,55 @@ async def run_episode(
     *,
     rollout_index: int,
     version: int,
-    timeout_s: float,
+    deadlines: WorkflowDeadlines,
 ) -> tuple[Episode, BaseException | None]:
-    """Run one workflow; return its episode and, if it failed, the original exception."""
+    """Run one workflow; return its episode and, if it failed, the original exception.
 
-    def episode(**fields: Any) -> Episode:
-        return Episode(
-            task_id=task.id, rollout_index=rollout_index, policy_version=version, **fields
-        )
-
+    A run past its deadline is cancelled and becomes `status="timeout"`; a cancellation that
+    came from elsewhere (the run is ending) propagates.
+    """
+    current = deadlines.start()
+    cancelling = current.cancelling()
     try:
-        async with asyncio.timeout(timeout_s) as deadline:
-            result = await workflow(task, model)
+        result = await workflow(task, model)
         trajectories = _as_trajectories(result)
-    except TimeoutError as e:
-        if not deadline.expired():
-            return episode(status="error", error=f"TimeoutError: {e}"), e
-        message = f"workflow ran past workflow_timeout={timeout_s:g} s"
-        return episode(status="timeout", error=message), e
+    except asyncio.CancelledError:
+        if not deadlines.finish(current) or current.uncancel() > cancelling:
+            raise
+        return _timed_out(task, rollout_index, version, deadlines.timeout_s)
     except Exception as e:
-        return episode(status="error", error=f"{type(e).__name__}: {e}"), e
-    return episode(trajectories=trajectories), None
+        if deadlines.finish(current):
+            current.uncancel()  # the workflow turned our cancellation into an error of its own
+            return _timed_out(task, rollout_index, version, deadlines.timeout_s)
+        return _failed(task, rollout_index, version, "error", f"{type(e).__name__}: {e}"), e
+    if deadlines.finish(current):
+        current.uncancel()  # it swallowed the cancellation, and finished late all the same
+        return _timed_out(task, rollout_index, version, deadlines.timeout_s)
+    episode = Episode(
+        task_id=task.id,
+        rollout_index=rollout_index,
+        trajectories=trajectories,
+        policy_version=version,
+    )
+    return episode, None
+
+
+def _timed_out(
+    task: Task, index: int, version: int, timeout_s: float
+) -> tuple[Episode, BaseException]:
+    message = f"workflow ran past workflow_timeout={timeout_s:g} s"
+    return _failed(task, index, version, "timeout", message), TimeoutError(message)
+
+
+def _failed(task: Task, index: int, version: int, status: EpisodeStatus, error: str) -> Episode:
+    return Episode(
+        task_id=task.id, rollout_index=index, status=status, error=error, policy_version=version
+    )
 
 
 def _as_trajectories(result: Any) -> list[Trajectory]:
+    if isinstance(result, Trajectory):
+        return [result]
     items = result if isinstance(result, list) else [result]
     if not items or not all(isinstance(t, Trajectory) for t in items):
         got = type(result).__name__

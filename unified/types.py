@@ -10,7 +10,14 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "Episode",
@@ -66,18 +73,30 @@ class ModelOutput(_Model):
         None, description="Sampling temperature the logprobs are under, if the backend says."
     )
 
-    @model_validator(mode="after")
-    def _lengths_agree(self) -> ModelOutput:
-        n = len(self.completion_ids)
-        if len(self.logprobs) != n:
-            raise ValueError(f"logprobs has {len(self.logprobs)} entries for {n} completion tokens")
-        if self.token_versions is not None and len(self.token_versions) != n:
-            raise ValueError(
-                f"token_versions has {len(self.token_versions)} entries for {n} completion tokens"
-            )
-        if any(not math.isfinite(lp) or lp > 1e-6 for lp in self.logprobs):
+    # Field validators, not a model validator: pydantic re-runs a model's after-validators each
+    # time an instance is nested into another model (every Step), field validators only once.
+    @field_validator("logprobs")
+    @classmethod
+    def _one_logprob_per_token(cls, logprobs: list[float], info: ValidationInfo) -> list[float]:
+        n = len(info.data.get("completion_ids", ()))
+        if len(logprobs) != n:
+            raise ValueError(f"logprobs has {len(logprobs)} entries for {n} completion tokens")
+        # sum() propagates NaN and inf: one C-level pass instead of a check per token.
+        if logprobs and (not math.isfinite(sum(logprobs)) or max(logprobs) > 1e-6):
             raise ValueError("logprobs must be finite log-probabilities (<= 0)")
-        return self
+        return logprobs
+
+    @field_validator("token_versions")
+    @classmethod
+    def _one_version_per_token(
+        cls, versions: list[int] | None, info: ValidationInfo
+    ) -> list[int] | None:
+        n = len(info.data.get("completion_ids", ()))
+        if versions is not None and len(versions) != n:
+            raise ValueError(
+                f"token_versions has {len(versions)} entries for {n} completion tokens"
+            )
+        return versions
 
     @property
     def oldest_version(self) -> int:

@@ -3,9 +3,10 @@
 The trainer model learns; the sampler holds its own copy of the weights that only
 `on_policy_updated` refreshes, so async rollouts really come from an older policy and
 `train/kl_sample_train` measures that gap. A sync swaps the new weights in between sampler
-batches (a running batch finishes on the old ones), so it waits for no request. Gradients of several `forward_backward` calls
-accumulate until `optim_step` (AdamW, gradient clipping). Every blocking call runs in a worker
-thread. Checkpoints are safetensors: model, sampler, optimizer and RNG.
+batches (a running batch finishes on the old ones), so it waits for no request. Gradients of
+several `forward_backward` calls accumulate until `optim_step` (AdamW, gradient clipping). Every
+blocking call runs in a worker thread. Checkpoints are safetensors: model, sampler, optimizer
+and RNG.
 """
 
 from __future__ import annotations

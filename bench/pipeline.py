@@ -1,9 +1,18 @@
-"""Pipeline efficiency: wall time per trained group, sync vs async, on a simulated workload.
+"""Pipeline efficiency: sync vs async on three workloads, each against its ideal bound.
 
-Generation is simulated by heavy-tailed asyncio sleeps per rollout (a remote sampler), training
-by a blocking sleep in a worker thread per `forward_backward` (an accelerator busy elsewhere), on
-the bandit test backend. Both loops run in this process on the same workload; the figure is the
-ratio of their wall times per trained group, which is what the async loop's overlap buys.
+Every workload runs the real trainer on the bandit test backend with simulated costs: latency as
+asyncio sleeps (a remote sampler, a tool), training as a blocking sleep in a worker thread (an
+accelerator busy elsewhere). Each mode's ideal time per step is derived from the workload:
+
+- sync:  E[slowest rollout of the batch] (or the batch's work spread over the concurrency
+  limit, if larger) + training, since sync generates a whole batch, then trains;
+- async: the largest of training, the batch's work over the concurrency limit, and the
+  admission bound `E[slowest rollout of a group] / (max_staleness * sync_every)` (admission
+  keeps `(1 + s) * K * M` groups in flight or trained-this-window, so `s * K * M` generate).
+
+Efficiency is ideal / measured time per step (steady state: first optimizer step to last).
+The workloads: (a) heavy-tailed time inside the workflow (tools, environments); (b) generation
+bound: a long tail inside the model request and a concurrency limit; (c) training bound.
 
     python bench/pipeline.py --json runs/bench-pipeline.json
 """
@@ -13,88 +22,190 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
+import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.bandit import BanditBackend, bandit_tasks
-from unified import TrajectoryGroup, UnifiedTrainer
+from unified import RolloutEngine, Step, Task, Trajectory, TrajectoryGroup, UnifiedTrainer
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Costs of one simulated workload; latencies are lognormal (median, sigma) in seconds."""
+
+    name: str
+    batch: int  # groups per step
+    group: int  # rollouts per group
+    train_s: float  # training time per step
+    workflow_median_s: float = 0.0  # time in the workflow, outside the model
+    model_median_s: float = 0.0  # time inside the model request
+    sigma: float = 1.0
+    max_concurrency: int = 1024
+    max_staleness: int = 2
+    sync_every: int = 1
+    micro_batch: int | None = 1  # stream: train each group as soon as it is ready
+
+    def latency(self, rng: random.Random, median_s: float) -> float:
+        return median_s * math.exp(self.sigma * rng.gauss(0.0, 1.0)) if median_s else 0.0
+
+
+WORKLOADS = (
+    Workload("workflow_heavy_tail", batch=8, group=8, train_s=0.10, workflow_median_s=0.02),
+    Workload(
+        "generation_bound", batch=8, group=8, train_s=0.02, model_median_s=0.02, max_concurrency=16
+    ),
+    Workload("training_bound", batch=8, group=8, train_s=0.20, model_median_s=0.005),
+)
+
+
+def ideal_step_s(w: Workload, mode: str, samples: int = 20_000) -> float:
+    """The workload's ideal time per step in `mode`, by Monte Carlo over its latencies."""
+    rng = random.Random(12345)
+
+    def rollout() -> float:
+        return w.latency(rng, w.workflow_median_s) + w.latency(rng, w.model_median_s)
+
+    def expected_max(n: int) -> float:
+        return statistics.fmean(max(rollout() for _ in range(n)) for _ in range(samples // n))
+
+    mean = statistics.fmean(rollout() for _ in range(samples))
+    spread = w.batch * w.group * mean / w.max_concurrency
+    if mode == "sync":
+        return max(expected_max(w.batch * w.group), spread) + w.train_s
+    admission = expected_max(w.group) / (w.max_staleness * w.sync_every)
+    return max(w.train_s, spread, admission)
 
 
 class SimulatedBackend(BanditBackend):
-    """The bandit, with generation latency and a training cost per group."""
+    """The bandit with a sleep inside each model request and a blocking cost per step."""
 
-    def __init__(self, gen_s: float, train_s_per_group: float) -> None:
-        super().__init__(latency=self._latency)
-        self.gen_s = gen_s
-        self.train_s_per_group = train_s_per_group
+    def __init__(self, w: Workload, seed: int) -> None:
+        super().__init__(latency=self._request_latency)
+        self.w = w
+        self.rng = random.Random(seed)
+        self.step_times: list[float] = []
 
-    async def _latency(self, seed: int) -> None:
-        heavy = min(10.0, random.Random(seed).paretovariate(1.5))
-        await asyncio.sleep(self.gen_s * heavy)
+    async def _request_latency(self, seed: int) -> None:
+        await asyncio.sleep(self.w.latency(self.rng, self.w.model_median_s))
 
     async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        await asyncio.to_thread(time.sleep, self.train_s_per_group * len(groups))
+        await asyncio.to_thread(time.sleep, self.w.train_s * len(groups) / self.w.batch)
         return await super().forward_backward(groups)
 
+    async def optim_step(self) -> dict[str, float]:
+        self.step_times.append(time.perf_counter())
+        return await super().optim_step()
 
-def run(mode: str, args: argparse.Namespace, run_dir: Path) -> dict[str, float]:
-    backend = SimulatedBackend(args.gen_ms / 1000, args.train_ms / 1000)
+
+def tool_workflow(w: Workload, rng: random.Random) -> Any:
+    """A bandit episode that spends a lognormal time outside the model first (a tool call)."""
+
+    async def run(task: Task, model: RolloutEngine) -> Trajectory:
+        await asyncio.sleep(w.latency(rng, w.workflow_median_s))
+        messages = [{"role": "user", "content": f"pick {task.data['target']}"}]
+        out = await model.chat(messages)
+        reward = float(out.text == str(task.data["target"]))
+        return Trajectory(steps=[Step(messages=messages, output=out, reward=reward)], reward=reward)
+
+    return run
+
+
+def measure(w: Workload, mode: str, args: argparse.Namespace, run_dir: str) -> dict[str, float]:
+    backend = SimulatedBackend(w, args.seed)
     config: dict[str, Any] = {
-        "name": mode,
+        "name": f"{w.name}-{mode}",
         "mode": mode,
         "workflow": "tests.bandit:BanditWorkflow",
         "trainer": {
             "total_steps": args.steps,
-            "batch_size": args.batch,
-            "group_size": args.group,
+            "batch_size": w.batch,
+            "group_size": w.group,
             "lr": 0.01,
             "eval_every": 0,
+            "eval_before_train": False,
             "save_every": 0,
+            "filter_groups": False,  # every group trains: no refills blur the bound
             "seed": args.seed,
+            "micro_batch_size": w.micro_batch,
         },
-        "async": {"max_staleness": args.staleness},
-        "logging": {"run_dir": str(run_dir), "console": False},
+        "async": {
+            "max_staleness": w.max_staleness,
+            "sync_every": w.sync_every,
+            "max_concurrency": w.max_concurrency,
+        },
+        "logging": {"run_dir": run_dir, "console": False},
     }
-    trainer = UnifiedTrainer(config, backend=backend, train_tasks=bandit_tasks(256, target=1))
-    started = time.perf_counter()
+    workflow = tool_workflow(w, random.Random(args.seed + 1))
+    trainer = UnifiedTrainer(
+        config, workflow=workflow, backend=backend, train_tasks=bandit_tasks(256, target=1)
+    )
     result = trainer.fit()
-    wall = time.perf_counter() - started
     lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    idle = sum(m["trainer/idle_ratio"] for m in lines) / len(lines)
-    return {"wall_s": wall, "s_per_group": wall / (args.steps * args.batch), "trainer_idle": idle}
+    steady = lines[1:]
+    times = backend.step_times
+    return {
+        "step_s": (times[-1] - times[0]) / (len(times) - 1),
+        "trainer_idle_ratio": statistics.fmean(m["trainer/idle_ratio"] for m in steady),
+        "rollout_idle_ratio": statistics.fmean(m["rollout/idle_ratio"] for m in steady),
+        "sync_s": statistics.fmean(m["time/sync"] for m in steady),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--gen-ms", type=float, default=20.0, help="median rollout latency")
-    parser.add_argument("--train-ms", type=float, default=10.0, help="training cost per group")
-    parser.add_argument("--staleness", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--staleness", type=int, help="max_staleness for every workload")
+    parser.add_argument("--no-stream", action="store_true", help="train whole batches only")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        figures = {mode: run(mode, args, Path(tmp)) for mode in ("sync", "async")}
-    speedup = figures["sync"]["s_per_group"] / figures["async"]["s_per_group"]
-    report = {"config": vars(args) | {"json": None}, **figures, "async_speedup": speedup}
-    for mode in ("sync", "async"):
-        f = figures[mode]
-        print(
-            f"{mode:5s}: {f['wall_s']:.2f} s, {1000 * f['s_per_group']:.1f} ms/group, "
-            f"trainer idle {f['trainer_idle']:.0%}"
+    workloads = [
+        replace(
+            w,
+            max_staleness=w.max_staleness if args.staleness is None else args.staleness,
+            micro_batch=None if args.no_stream else w.micro_batch,
         )
-    print(f"async speedup (sync time / async time per trained group): {speedup:.2f}x")
+        for w in WORKLOADS
+    ]
+    report: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in workloads:
+            ideal = {mode: ideal_step_s(w, mode) for mode in ("sync", "async")}
+            got = {mode: measure(w, mode, args, tmp) for mode in ("sync", "async")}
+            report[w.name] = {
+                "ideal_async_over_sync": ideal["sync"] / ideal["async"],
+                "async_efficiency": ideal["async"] / got["async"]["step_s"],
+                "sync_efficiency": ideal["sync"] / got["sync"]["step_s"],
+                "async_over_sync": got["sync"]["step_s"] / got["async"]["step_s"],
+                "trainer_idle_ratio": got["async"]["trainer_idle_ratio"],
+                "rollout_idle_ratio": got["async"]["rollout_idle_ratio"],
+            }
+            r = report[w.name]
+            print(
+                f"{w.name}: step sync {got['sync']['step_s'] * 1e3:.0f} ms "
+                f"(ideal {ideal['sync'] * 1e3:.0f}), async {got['async']['step_s'] * 1e3:.0f} ms "
+                f"(ideal {ideal['async'] * 1e3:.0f}, time/sync {got['async']['sync_s'] * 1e3:.1f})"
+            )
+            print(
+                f"  efficiency async {r['async_efficiency']:.2f}, sync {r['sync_efficiency']:.2f}; "
+                f"async/sync {r['async_over_sync']:.2f}x of an ideal "
+                f"{r['ideal_async_over_sync']:.2f}x "
+                f"({r['async_over_sync'] / r['ideal_async_over_sync']:.2f}); idle: trainer "
+                f"{r['trainer_idle_ratio']:.0%}, rollout {r['rollout_idle_ratio']:.0%}"
+            )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2, default=str))
+        settings = {w.name: asdict(w) for w in workloads}
+        args.json.write_text(json.dumps({**report, "workloads": settings}, indent=2))
 
 
 if __name__ == "__main__":

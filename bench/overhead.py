@@ -195,16 +195,16 @@ def per_trajectory(args: argparse.Namespace, mode: str) -> tuple[float, float]:
     return best
 
 
-def direct(args: argparse.Namespace) -> float:
-    """Microseconds per call of the workflow and backend alone, awaited one after another."""
+def direct(args: argparse.Namespace) -> tuple[float, float]:
+    """(Wall, CPU) microseconds per call of the workflow and backend alone, one after another."""
 
-    async def calls(n: int) -> float:
+    async def calls(n: int) -> tuple[float, float]:
         engine, work = ZeroBackend().rollout_engine(), tasks(1024)
         defaults = SamplingParams(max_tokens=TOKENS)
-        started = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         for i in range(n):
             await single_turn(work[i % 1024], SamplingEngine(engine, defaults, seed=i))
-        return (time.perf_counter() - started) / n * 1e6
+        return (time.perf_counter() - wall) / n * 1e6, (time.process_time() - cpu) / n * 1e6
 
     n = (args.steps - 1) * args.groups * args.group_size
     return min(asyncio.run(calls(n)) for _ in range(args.repeats))
@@ -260,7 +260,7 @@ def main() -> None:
         per_trajectory(args, "async"),
         per_trajectory(args, "sync"),
     )
-    us_direct = direct(args)
+    us_direct, cpu_direct = direct(args)
     memory = in_flight(args)
     print(
         f"{args.groups} groups x {args.group_size} rollouts per step, {args.steps} steps, "
@@ -268,10 +268,13 @@ def main() -> None:
     )
     print(f"  async trainer: {us_async:.1f} us per trajectory ({cpu_async:.1f} us of CPU)")
     print(f"  sync trainer:  {us_sync:.1f} us per trajectory")
-    print(f"  workflow + backend alone, no trainer: {us_direct:.1f} us per call")
+    print(
+        f"  workflow + backend alone, no trainer: {us_direct:.1f} us per call "
+        f"({cpu_direct:.1f} us of CPU)"
+    )
     print(
         f"  the async trainer adds {us_async - us_direct:.1f} us per trajectory "
-        f"({us_async / us_direct:.2f}x the bare calls)"
+        f"({cpu_async - cpu_direct:.1f} us of CPU; {cpu_async / cpu_direct:.2f}x the bare calls)"
     )
     print(
         f"{memory['max_in_flight']:.0f} workflows in flight at once: "
@@ -285,6 +288,7 @@ def main() -> None:
         "cpu_us_per_trajectory": cpu_async,
         "us_per_trajectory_sync": us_sync,
         "us_per_call_without_trainer": us_direct,
+        "cpu_us_per_call_without_trainer": cpu_direct,
         "bytes_drift_per_step": memory["bytes_drift_per_step"],
     }
     if args.json:

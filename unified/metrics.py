@@ -153,9 +153,9 @@ class MetricsAggregator:
         """Add one value for `key` to the current step; NaN is kept and propagates."""
         self._values.setdefault(key, []).append(_as_float(key, value))
 
-    def record_all(self, key: str, values: Iterable[MetricValue]) -> None:
-        """`record` each of `values` under `key`."""
-        self._values.setdefault(key, []).extend([_as_float(key, value) for value in values])
+    def record_all(self, key: str, values: Iterable[float]) -> None:
+        """Record values the trainer already validated (rewards) under `key`, unchecked."""
+        self._values.setdefault(key, []).extend(values)
 
     def record_many(self, metrics: Mapping[str, MetricValue]) -> None:
         """`record` each item; all values are checked before any is recorded."""

@@ -88,6 +88,7 @@ class SamplerPool:
         self.keep = keep
         self._samplers: OrderedDict[str, BatchingSampler] = OrderedDict()
         self._snapshot_of: dict[str, str] = {}
+        self._scorers: dict[str, _PromptScorer] = {}
 
     @property
     def max_positions(self) -> int | None:
@@ -111,6 +112,7 @@ class SamplerPool:
         snapshots = [key for key in self._samplers if key != BASE]
         for old in snapshots[: max(0, len(snapshots) - self.keep)]:
             del self._samplers[old]
+            self._scorers.pop(old, None)
 
     def _sampler(self, session_id: str) -> BatchingSampler:
         snapshot = self._snapshot_of.get(session_id)
@@ -160,14 +162,67 @@ class SamplerPool:
         ]
         scored = None
         if prompt_logprobs:
-            scored = await asyncio.to_thread(_prompt_logprobs, sampler.model, prompt_ids)
+            snapshot = self._snapshot_of[session_id]
+            scorer = self._scorers.setdefault(snapshot, _PromptScorer(sampler.model))
+            scored = await scorer.score(prompt_ids)
         return sequences, scored
 
 
+class _PromptScorer:
+    """Prompt logprobs (`compute_logprobs`), concurrent requests scored in one forward pass."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self._waiting: list[tuple[list[int], asyncio.Future[list[float]]]] = []
+        self._running: asyncio.Future[None] | None = None
+
+    async def score(self, prompt_ids: list[int]) -> list[float]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[float]] = loop.create_future()
+        self._waiting.append((prompt_ids, future))
+        await asyncio.sleep(0)  # requests of the same tick join one batch
+        while not future.done():
+            if self._running is None or self._running.done():
+                batch, self._waiting = self._waiting, []
+                self._running = loop.run_in_executor(None, _score_batch, self.model, batch)
+            await asyncio.wait([future, self._running], return_when=asyncio.FIRST_COMPLETED)
+        return future.result()
+
+
 @torch.no_grad()
-def _prompt_logprobs(model: PreTrainedModel, prompt_ids: list[int]) -> list[float]:
-    """Logprob of each prompt token given the ones before it; NaN for the first."""
-    ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
-    logits = model(input_ids=ids).logits[0, :-1].float()
-    picked = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
-    return [float("nan"), *picked.tolist()]
+def _score_batch(
+    model: PreTrainedModel, batch: list[tuple[list[int], asyncio.Future[list[float]]]]
+) -> None:
+    """Logprob of each prompt token given the ones before it (NaN for the first), per request."""
+    try:
+        width = max(len(ids) for ids, _ in batch)
+        device = next(model.parameters()).device
+        ids_BL = torch.zeros(len(batch), width, dtype=torch.long)
+        mask_BL = torch.zeros(len(batch), width, dtype=torch.long)
+        for b, (ids, _) in enumerate(batch):
+            ids_BL[b, : len(ids)], mask_BL[b, : len(ids)] = torch.tensor(ids), 1
+        ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
+        logits = model(input_ids=ids_BL, attention_mask=mask_BL).logits[:, :-1].float()
+        picked_BL = torch.log_softmax(logits, dim=-1).gather(2, ids_BL[:, 1:, None])[..., 0]
+        results: list[list[float] | BaseException] = [
+            [float("nan"), *picked_BL[b, : len(ids) - 1].tolist()]
+            for b, (ids, _) in enumerate(batch)
+        ]
+    except Exception as e:
+        results = [e] * len(batch)
+    for (_, future), result in zip(batch, results, strict=True):
+        loop = future.get_loop()
+        if isinstance(result, BaseException):
+            loop.call_soon_threadsafe(_fail, future, result)
+        else:
+            loop.call_soon_threadsafe(_resolve, future, result)
+
+
+def _resolve(future: asyncio.Future[list[float]], result: list[float]) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _fail(future: asyncio.Future[list[float]], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TINKER_TELEMETRY"] = "0"
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 

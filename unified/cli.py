@@ -1,7 +1,9 @@
 """The `unified` command: `train`, `sft`, `eval` and `plot` (`unified --help`).
 
 A usage error (bad config, data, import path or capability) prints one line and exits 2;
-a run that cannot make progress exits 1 with the reason; Ctrl-C exits 130.
+a run that cannot make progress exits 1 with the reason; Ctrl-C exits 130. Packages add
+subcommands through the entry-point group `unified.commands` (name -> `module:function(argv)`
+returning the exit code), e.g. the tinker backend's `tinker-serve`; the core never imports them.
 """
 
 from __future__ import annotations
@@ -10,17 +12,25 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import EntryPoint, entry_points
 
 from unified.errors import UnifiedError, UsageError
 
 __all__ = ["main", "run_command"]
 
 
-def _parser() -> argparse.ArgumentParser:
+def _contributed_commands() -> dict[str, EntryPoint]:
+    """Subcommands other packages register under the entry-point group `unified.commands`."""
+    return {ep.name: ep for ep in entry_points(group="unified.commands")}
+
+
+def _parser(contributed: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="unified", description="RL post-training for LLM policies and agents."
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    for name in contributed:
+        commands.add_parser(name, help=f"see `unified {name} --help`", add_help=False)
     train = commands.add_parser("train", help="train a policy from a YAML config")
     train.add_argument("config", help="path to the YAML config")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.batch_size=16")
@@ -46,7 +56,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code."""
-    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    contributed = _contributed_commands()
+    if argv and argv[0] in contributed:
+        return _run_contributed(contributed[argv[0]], argv[1:])
+    parser = _parser(sorted(contributed))
     args, extra = parser.parse_known_args(argv)
     # Overrides may come after options too: `train cfg.yaml --dry-run a.b=1`.
     unknown = [arg for arg in extra if arg.startswith("-") or "=" not in arg]
@@ -58,6 +72,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     return run_command(lambda: _dispatch(args))
+
+
+def _run_contributed(entry: EntryPoint, argv: list[str]) -> int:
+    """Run a registered subcommand; it parses its own arguments."""
+
+    def run() -> int:
+        try:
+            command = entry.load()
+        except ImportError as e:
+            raise UsageError(
+                f"command {entry.name!r} is registered but cannot be imported ({e}); "
+                "install the extra that provides it"
+            ) from e
+        return int(command(argv))
+
+    return run_command(run)
 
 
 def run_command(command: Callable[[], int], prog: str = "unified") -> int:

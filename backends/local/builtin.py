@@ -40,6 +40,7 @@ __all__ = [
     "chat_prompt_ids",
     "is_builtin",
     "load_policy",
+    "load_tokenizer",
     "save_policy",
 ]
 
@@ -236,7 +237,7 @@ def load_policy(
     directory = _model_directory(spec)
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
-        tokenizer = _load_tokenizer(directory)
+        tokenizer = load_tokenizer(directory)
     except (OSError, ValueError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(
@@ -253,7 +254,7 @@ def load_policy(
     return model, tokenizer
 
 
-def _load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+def load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved in `directory`, of the class its tokenizer_config.json declares.
 
     transformers 5's `AutoTokenizer` swaps a declared generic class (`TokenizersBackend`) for the

@@ -10,6 +10,7 @@ last evaluations), the two baselines it must beat, and where the reward-curve PN
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -49,9 +50,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train_and_report(config_path: str, overrides: list[str]) -> int:
     config = load_config(config_path, overrides)
     model_dir = Path(config.model)
-    # A missing directory, or one made by an older recipe, is (re)built; a user's own is kept.
-    if not config.model.startswith("builtin:") and (
-        not model_dir.exists() or (model_dir / RECIPE_FILE).exists()
+    # A missing directory, or one made by an older recipe, is (re)built; a user's own is kept,
+    # and so is a model name the Tinker service serves (tinker backend with a key).
+    on_service = config.backend == "tinker" and bool(os.environ.get("TINKER_API_KEY"))
+    if (
+        not config.model.startswith("builtin:")
+        and not on_service
+        and (not model_dir.exists() or (model_dir / RECIPE_FILE).exists())
     ):
         ensure_warmstart(model_dir)
     # A fresh run gets its own timestamped directory; resume=true continues the named one.

@@ -1,0 +1,384 @@
+"""TinkerBackend: train through the real `tinker` SDK, on the service or a compatible server.
+
+- set-up: `ServiceClient(base_url, api_key)`, `create_lora_training_client(model, rank)`; with no
+  `base_url` and no key it first starts the local server (`server.LocalServer`) on loopback.
+- sampling: the rollout engine sends each request to the `SamplingClient` of the newest version,
+  many in flight; a request keeps the client it started on, so a weight sync never disturbs it.
+- training: `forward_backward` submits and returns; `optim_step` submits right behind it and
+  awaits both, so the server works while later groups still generate.
+- weight sync: `save_weights_and_get_sampling_client` (a new client per version).
+- checkpoints: `save_state`; the run's checkpoint records the `tinker://` path, and resume makes
+  the client with `create_training_client_from_state_with_optimizer`.
+Every remote call has a deadline; idempotent ones retry transient errors with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import httpx
+import numpy as np
+import tinker
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from backends.local.backend import LocalEngine
+from backends.local.builtin import load_tokenizer
+from backends.tinker.config import TinkerConfig
+from backends.tinker.datums import TokenSequence, fold_kl_penalty, group_sequences, to_datum
+from unified.config import TrainerConfig
+from unified.errors import BackendError, ConfigError, UsageError
+from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
+from unified.types import ModelOutput, SamplingParams, TrajectoryGroup
+
+__all__ = ["TinkerBackend", "TinkerEngine"]
+
+T = TypeVar("T")
+LOCAL_KEY = "tml-local-server"
+_TRANSIENT = (
+    TimeoutError,
+    tinker.APIConnectionError,
+    tinker.APITimeoutError,
+    tinker.InternalServerError,
+    tinker.RateLimitError,
+)
+
+
+@dataclass
+class _Pending:
+    """A submitted forward_backward and the sequences it scores."""
+
+    future: Any
+    sequences: list[TokenSequence]
+
+
+class TinkerEngine(LocalEngine):
+    """The local engine's chat template, sampling through the newest version's client."""
+
+    def __init__(self, backend: TinkerBackend) -> None:
+        self._tinker = backend
+        super().__init__(backend)  # type: ignore[arg-type]  # reads only `.tokenizer`
+
+    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
+        return await self._tinker.sample(prompt_ids, SamplingParams.model_validate(sampling))
+
+
+class TinkerBackend(BackendProtocol):
+    """LoRA training and sampling on Tinker through the pinned SDK."""
+
+    name: ClassVar[str] = "tinker"
+    # Tinker's built-in losses have no entropy term; the KL penalty is folded into advantages.
+    capabilities = BackendCapabilities(entropy_bonus=False, partial_rollout=False)
+
+    def __init__(self) -> None:
+        self.settings = TinkerConfig()
+        self.lr = 1e-4
+        self._pending: list[_Pending] = []
+        self._server: Any = None
+        self._service: tinker.ServiceClient | None = None
+        self.base_url: str | None = None
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    async def setup(self, config: TrainerConfig) -> None:
+        self.settings = settings = TinkerConfig.from_section(config.tinker)
+        self.config = config
+        self.lr = config.trainer.lr
+        self._check_config(config)
+        key = os.environ.get(settings.api_key_env) or None
+        base_url = settings.base_url
+        if base_url is None and key is None:
+            base_url = await self._start_local_server(config)
+            key = LOCAL_KEY
+        elif key is None:
+            raise UsageError(
+                f"tinker: no API key for {base_url}; set {settings.api_key_env}=tml-..."
+            )
+        if base_url is not None:
+            await self._check_reachable(base_url)
+        self.base_url = base_url
+        self.base_model = settings.base_model or config.model
+        try:
+            self._service = tinker.ServiceClient(base_url=base_url, api_key=key)
+        except tinker.TinkerError as e:
+            raise UsageError(f"tinker: {e} (from ${settings.api_key_env})") from e
+        service = self._service
+        # The first call of a ServiceClient blocks while it opens the session.
+        self.training = await self._remote(
+            "create_lora_training_client",
+            lambda: service.create_lora_training_client(
+                self.base_model, rank=settings.lora_rank, seed=settings.lora_seed
+            ),
+            idempotent=True,
+            blocking=True,
+        )
+        self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
+        self.reference: tinker.SamplingClient | None = None
+        if config.trainer.kl_coef > 0:
+            self.reference = await self._remote(
+                "create_sampling_client",
+                lambda: service.create_sampling_client(base_model=self.base_model),
+                idempotent=True,
+            )
+        self._publish(await self._new_sampling_client(), version=0)
+
+    def _check_config(self, config: TrainerConfig) -> None:
+        temperature = config.sampling.train.temperature
+        if config.trainer.loss != "cross_entropy" and temperature != 1.0:
+            raise ConfigError(
+                f"sampling.train.temperature={temperature:g} is not supported by backend "
+                "'tinker': its losses score tokens at temperature 1; set it to 1.0"
+            )
+
+    async def _start_local_server(self, config: TrainerConfig) -> str:
+        from backends.tinker.server import LocalServer
+
+        store = self.settings.local_store or config.run_path / "tinker-store"
+        self._server = LocalServer(
+            config.model, store=store, max_batch=self.settings.local_max_batch
+        )
+        url: str = await asyncio.to_thread(self._server.start, self.settings.request_timeout_s)
+        return url
+
+    async def _check_reachable(self, base_url: str) -> None:
+        """Fail in one line, fast, when nothing listens at `base_url` (the SDK would retry)."""
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as client:
+                await client.get(f"{base_url.rstrip('/')}/api/v1/healthz")
+        except httpx.HTTPError as e:
+            raise UsageError(
+                f"tinker: cannot reach {base_url} ({type(e).__name__}); start a server with "
+                "`unified tinker-serve` or fix tinker.base_url"
+            ) from e
+
+    def _load_tokenizer(self) -> PreTrainedTokenizerBase:
+        name = self.settings.tokenizer or self.training.get_info().model_data.tokenizer_id
+        if not name:
+            raise UsageError("tinker: the server names no tokenizer; set tinker.tokenizer")
+        if Path(name).is_dir():
+            return load_tokenizer(Path(name))
+        return AutoTokenizer.from_pretrained(name)
+
+    # -- remote calls -------------------------------------------------------------------------
+
+    async def _remote(
+        self,
+        what: str,
+        submit: Callable[[], Awaitable[T]],
+        *,
+        idempotent: bool = False,
+        blocking: bool = False,
+    ) -> T:
+        """Submit a call and await its result within the deadline; retry transient errors."""
+        attempts = 1 + (self.settings.retries if idempotent else 0)
+        for attempt in range(attempts):
+            try:
+                future = await asyncio.to_thread(submit) if blocking else submit()
+                async with asyncio.timeout(self.settings.request_timeout_s):
+                    return await future
+            except tinker.AuthenticationError as e:
+                raise UsageError(
+                    f"tinker: {self.base_url or 'the service'} refused the API key in "
+                    f"${self.settings.api_key_env} (HTTP 401)"
+                ) from e
+            except tinker.RequestFailedError as e:
+                if e.category == tinker.types.RequestErrorCategory.User or attempt + 1 == attempts:
+                    raise BackendError(f"tinker {what} failed: {e}") from e
+                error: Exception = e
+            except _TRANSIENT as e:
+                if attempt + 1 == attempts:
+                    raise BackendError(
+                        f"tinker {what} failed after {attempts} attempt(s) within "
+                        f"{self.settings.request_timeout_s:g} s each: {type(e).__name__}: {e}"
+                    ) from e
+                error = e
+            except tinker.TinkerError as e:
+                raise BackendError(f"tinker {what} failed: {e}") from e
+            # Exponential backoff before the next attempt; the loop is bounded by `attempts`.
+            await asyncio.sleep(self.settings.retry_backoff_s * 2**attempt)
+        raise AssertionError(f"unreachable: {error!r}")
+
+    # -- sampling -----------------------------------------------------------------------------
+
+    def rollout_engine(self) -> RolloutEngine:
+        return TinkerEngine(self)
+
+    def _publish(self, client: tinker.SamplingClient, *, version: int) -> None:
+        # One attribute, replaced whole: a request reads the pair once when it starts.
+        self._sampler = (client, version)
+
+    async def _new_sampling_client(self) -> tinker.SamplingClient:
+        return await self._remote(
+            "save_weights_and_get_sampling_client",
+            self.training.save_weights_and_get_sampling_client,
+        )
+
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
+        """One completion from the newest version's client (kept even if a sync happens)."""
+        client, version = self._sampler
+        wire = tinker.SamplingParams(
+            max_tokens=params.max_tokens,
+            seed=params.seed,
+            stop=params.stop or None,
+            temperature=params.temperature,
+            top_p=params.top_p,
+        )
+        prompt = tinker.ModelInput.from_ints(prompt_ids)
+        response = await self._remote(
+            "sample",
+            lambda: client.sample(prompt, num_samples=1, sampling_params=wire),
+            idempotent=True,
+        )
+        seq = response.sequences[0]
+        tokens = [int(t) for t in seq.tokens]
+        logprobs = [min(0.0, float(lp)) for lp in (seq.logprobs or [])]
+        if len(logprobs) != len(tokens):
+            raise BackendError(
+                f"tinker sample returned {len(logprobs)} logprobs, {len(tokens)} tokens"
+            )
+        return ModelOutput(
+            text=self._text(tokens, params.stop),
+            prompt_ids=list(prompt_ids),
+            completion_ids=tokens,
+            logprobs=logprobs,
+            finish_reason="length" if seq.stop_reason == "length" else "stop",
+            policy_version=version,
+            temperature=params.temperature,
+        )
+
+    def _text(self, tokens: list[int], stop: list[str]) -> str:
+        specials = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id}
+        text: str = self.tokenizer.decode([t for t in tokens if t not in specials])
+        for s in stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    async def on_policy_updated(self, version: int) -> None:
+        self._publish(await self._new_sampling_client(), version=version)
+
+    # -- training -----------------------------------------------------------------------------
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.lr = lr
+
+    async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        sequences = group_sequences(groups)
+        if not sequences:
+            return {}
+        metrics: dict[str, float] = {}
+        if self.reference is not None:
+            metrics["train/kl_reference"] = await self._fold_kl(sequences)
+        loss = self.config.trainer.loss
+        tokens = sum(seq.sampled_count for seq in sequences)
+        scale = 1.0 / max(1, tokens) if self.settings.loss_agg == "token_mean" else 1.0
+        datums = [to_datum(seq, loss, scale) for seq in sequences]
+        loss_config = None
+        if loss in ("ppo", "cispo"):
+            clip = self.config.trainer.clip_ratio
+            loss_config = {"clip_low_threshold": 1 - clip, "clip_high_threshold": 1 + clip}
+        # Submitted now, awaited in optim_step: the server computes while groups generate.
+        future = self.training.forward_backward(datums, loss, loss_config)  # type: ignore[arg-type]
+        self._pending.append(_Pending(future=future, sequences=sequences))
+        return metrics
+
+    async def _fold_kl(self, sequences: list[TokenSequence]) -> float:
+        reference = self.reference
+        assert reference is not None
+
+        async def score(seq: TokenSequence) -> list[float | None]:
+            prompt = tinker.ModelInput.from_ints(seq.tokens)
+            return await self._remote(
+                "compute_logprobs", lambda: reference.compute_logprobs(prompt), idempotent=True
+            )
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(score(seq)) for seq in sequences]
+        return fold_kl_penalty(sequences, [t.result() for t in tasks], self.config.trainer.kl_coef)
+
+    async def optim_step(self) -> dict[str, float]:
+        pending, self._pending = self._pending, []
+        adam = tinker.AdamParams(
+            learning_rate=self.lr,
+            beta1=self.settings.adam_beta1,
+            beta2=self.settings.adam_beta2,
+            eps=self.settings.adam_eps,
+            weight_decay=self.settings.weight_decay,
+            grad_clip_norm=self.settings.grad_clip_norm,
+        )
+        step = self.training.optim_step(adam)
+
+        async def together() -> tuple[list[Any], Any]:
+            outputs = [await p.future for p in pending]
+            return outputs, await step
+
+        outputs, result = await self._remote("forward_backward + optim_step", together)
+        metrics = _train_metrics(pending, outputs)
+        if result.metrics and "grad_norm" in result.metrics:
+            metrics["train/grad_norm"] = float(result.metrics["grad_norm"])
+        return metrics
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    async def save_checkpoint(self, directory: Path) -> None:
+        name = f"{self.config.name}-{directory.name}-{uuid.uuid4().hex[:8]}"
+        saved = await self._remote("save_state", lambda: self.training.save_state(name))
+        record = {
+            "state_path": saved.path,
+            "sampler_version": self._sampler[1],
+            "base_model": self.base_model,
+            "lora_rank": self.settings.lora_rank,
+        }
+        await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(
+            (directory / "tinker.json").write_text, json.dumps(record, indent=2)
+        )
+
+    async def load_checkpoint(self, directory: Path) -> None:
+        path = directory / "tinker.json"
+        if not path.is_file():
+            raise UsageError(f"{directory} holds no tinker checkpoint (tinker.json)")
+        record = json.loads(await asyncio.to_thread(path.read_text))
+        service = self._service
+        assert service is not None
+        self.training = await self._remote(
+            "create_training_client_from_state_with_optimizer",
+            lambda: service.create_training_client_from_state_with_optimizer(record["state_path"]),
+        )
+        # The sampler restarts from the restored weights, at the version the run had synced.
+        self._publish(await self._new_sampling_client(), version=int(record["sampler_version"]))
+
+    async def shutdown(self) -> None:
+        try:
+            if self._service is not None:
+                service, self._service = self._service, None
+                await self._remote("close", lambda: service.close("success"))
+        finally:
+            if self._server is not None:
+                server, self._server = self._server, None
+                await asyncio.to_thread(server.stop)
+
+
+def _train_metrics(pending: list[_Pending], outputs: list[Any]) -> dict[str, float]:
+    """Loss, KL(sampler || trainer) and the mean importance ratio over sampled tokens."""
+    loss = sum(float(out.metrics.get("loss:sum", 0.0)) for out in outputs)
+    gaps: list[np.ndarray] = []
+    for batch, out in zip(pending, outputs, strict=True):
+        for seq, row in zip(batch.sequences, out.loss_fn_outputs, strict=True):
+            trainer = row["logprobs"].to_numpy()
+            mask = np.asarray(seq.sampled[1:], dtype=bool)
+            sampler = np.asarray(seq.logprobs[1:], dtype=np.float64)
+            gaps.append(sampler[mask] - trainer[mask])
+    gap = np.concatenate(gaps) if gaps else np.zeros(0)
+    return {
+        "train/loss": loss,
+        "train/kl_sample_train": float(gap.mean()) if gap.size else 0.0,
+        "train/ratio_mean": float(np.exp(-gap).mean()) if gap.size else 0.0,
+    }

@@ -1,0 +1,82 @@
+"""`tinker:` — the settings of the Tinker backend, validated at start-up.
+
+Where it trains: with no `base_url` and no key in the environment, on a local Tinker-compatible
+server the backend starts itself (offline); with a key (`TINKER_API_KEY`) and no `base_url`, on
+the Tinker service; with a `base_url`, on that server. The key is read from the environment only,
+never from the config file, so it is never written into a run's `config.yaml` or logs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from unified.errors import ConfigError
+
+__all__ = ["TinkerConfig"]
+
+
+class TinkerConfig(BaseModel):
+    """`tinker:` — the Tinker backend: where, LoRA shape, optimizer, deadlines, retries."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str | None = Field(
+        None,
+        description="Tinker server URL; unset: the service if a key is set, else a local server.",
+    )
+    api_key_env: str = Field(
+        "TINKER_API_KEY", description="Environment variable holding the API key (tml-...)."
+    )
+    base_model: str | None = Field(
+        None, description="Base model name on the server (default: the config's `model`)."
+    )
+    tokenizer: str | None = Field(
+        None, description="Local tokenizer directory or HF id (default: the server's)."
+    )
+    lora_rank: int = Field(32, ge=1, description="Rank of the trained LoRA adapters.")
+    lora_seed: int = Field(0, description="Seed of the adapters' initialisation.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2 (Tinker's default).")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    grad_clip_norm: float = Field(0.0, ge=0, description="Gradient clipping norm (0: off).")
+    loss_agg: Literal["token_mean", "token_sum"] = Field(
+        "token_mean",
+        description="token_mean divides each forward_backward call's token-sum loss by its "
+        "completion tokens (the local backend's default); token_sum is Tinker's raw sum.",
+    )
+    request_timeout_s: float = Field(
+        300.0, gt=0, description="Deadline of one remote call (submission to result)."
+    )
+    retries: int = Field(
+        3, ge=0, description="Retries of idempotent calls (sampling, set-up) on transient errors."
+    )
+    retry_backoff_s: float = Field(0.5, ge=0, description="First retry delay; doubles each time.")
+    local_store: Path | None = Field(
+        None,
+        description="Local server: where tinker:// paths live (default: <run>/tinker-store).",
+    )
+    local_max_batch: int = Field(64, ge=1, description="Local server: most requests per batch.")
+
+    @classmethod
+    def from_section(cls, section: dict[str, Any]) -> TinkerConfig:
+        """Validate the config's `tinker:` section; a bad key is a `ConfigError` naming it."""
+        try:
+            return cls.model_validate(section)
+        except ValidationError as e:
+            first = e.errors()[0]
+            key = ".".join(str(p) for p in first["loc"])
+            if key == "api_key":
+                raise ConfigError(
+                    "tinker.api_key: keys are read from the environment only (tinker.api_key_env, "
+                    "default TINKER_API_KEY), never from a config file"
+                ) from None
+            if first["type"] == "extra_forbidden":
+                valid = ", ".join(cls.model_fields)
+                raise ConfigError(
+                    f"unknown config key 'tinker.{key}'; valid keys: {valid}"
+                ) from None
+            raise ConfigError(f"config key 'tinker.{key}': {first['msg']}") from None

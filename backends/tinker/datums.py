@@ -1,0 +1,116 @@
+"""Trajectory groups -> Tinker `Datum`s, and the KL penalty folded into advantages.
+
+Shift by one: a sequence of tokens `s` becomes `model_input = s[:-1]`, `target_tokens = s[1:]`,
+so input position i predicts token i+1, and every loss input has one entry per input position:
+the sampler's `logprobs` and the `advantages` on sampled tokens, zeros on prompt (and tool
+observation) tokens. The steps of one trajectory merge into one sequence while each step's prompt
+extends the previous prompt plus completion (a multi-turn chat); otherwise a new sequence starts.
+Only the keys the loss takes are sent (`target_tokens` + `weights` for cross_entropy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import tinker
+
+from unified.types import Trajectory, TrajectoryGroup
+
+__all__ = ["TokenSequence", "fold_kl_penalty", "group_sequences", "to_datum"]
+
+
+@dataclass
+class TokenSequence:
+    """Tokens of merged steps, which of them were sampled, their sampler logprobs and advantage."""
+
+    tokens: list[int] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    advantage: float = 0.0
+    advantages: list[float] | None = None
+    """Per-token advantages, once a KL penalty is folded in (else `advantage` everywhere)."""
+
+    def extend(self, tokens: Sequence[int], logprobs: Sequence[float] | None) -> None:
+        """Append observed tokens (`logprobs` None) or sampled ones."""
+        self.tokens += tokens
+        self.sampled += [logprobs is not None] * len(tokens)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
+
+    @property
+    def sampled_count(self) -> int:
+        """How many tokens the policy sampled (the tokens that carry a loss)."""
+        return sum(self.sampled)
+
+
+def trajectory_sequences(trajectory: Trajectory, advantage: float) -> list[TokenSequence]:
+    """The trajectory's steps as merged sequences (one per run of extending prompts)."""
+    sequences: list[TokenSequence] = []
+    for step in trajectory.steps:
+        out = step.output
+        if not out.completion_ids:
+            continue
+        current = sequences[-1] if sequences else None
+        if current is not None and out.prompt_ids[: len(current.tokens)] == current.tokens:
+            current.extend(out.prompt_ids[len(current.tokens) :], None)
+        else:
+            current = TokenSequence(advantage=advantage)
+            current.extend(out.prompt_ids, None)
+            sequences.append(current)
+        current.extend(out.completion_ids, out.logprobs)
+    return sequences
+
+
+def group_sequences(groups: Sequence[TrajectoryGroup]) -> list[TokenSequence]:
+    """Every trainable sequence of `groups`, each carrying its episode's advantage."""
+    return [
+        sequence
+        for group in groups
+        for episode, advantage in zip(group.episodes, group.advantages, strict=True)
+        for trajectory in episode.trajectories
+        for sequence in trajectory_sequences(trajectory, advantage)
+    ]
+
+
+def fold_kl_penalty(
+    sequences: Sequence[TokenSequence], reference: Sequence[Sequence[float | None]], coef: float
+) -> float:
+    """Add `coef * (mean_kl - kl_t)` to each sampled token's advantage; the mean KL.
+
+    `kl_t = sampler logprob - reference logprob` of sampled token t (the tinker-cookbook's
+    penalty): tokens the policy made likelier than the reference pay, the batch mean is returned.
+    `reference[i][j]` is the reference logprob of `sequences[i].tokens[j]` (None at j = 0).
+    """
+    kls: list[list[float]] = []
+    for seq, ref in zip(sequences, reference, strict=True):
+        if len(ref) != len(seq.tokens):
+            raise ValueError(f"{len(ref)} reference logprobs for {len(seq.tokens)} tokens")
+        pairs = zip(seq.logprobs, ref, seq.sampled, strict=True)
+        kls.append([q - (r or 0.0) if s else 0.0 for q, r, s in pairs])
+    count = sum(seq.sampled_count for seq in sequences)
+    mean_kl = sum(sum(k) for k in kls) / max(1, count)
+    for seq, kl in zip(sequences, kls, strict=True):
+        seq.advantages = [
+            seq.advantage + coef * (mean_kl - k) if s else 0.0
+            for k, s in zip(kl, seq.sampled, strict=True)
+        ]
+    return mean_kl
+
+
+def to_datum(sequence: TokenSequence, loss_fn: str, scale: float = 1.0) -> tinker.Datum:
+    """The shifted-by-one `Datum` of a sequence; loss inputs are multiplied by `scale`."""
+    tokens = sequence.tokens
+    sampled = np.asarray(sequence.sampled[1:], dtype=np.float32)
+    inputs: dict[str, np.ndarray | list[int]] = {"target_tokens": tokens[1:]}
+    if loss_fn == "cross_entropy":
+        inputs["weights"] = sampled * scale
+    else:
+        per_token = sequence.advantages or [sequence.advantage] * len(tokens)
+        advantages = np.asarray(per_token[1:], dtype=np.float32) * sampled
+        inputs["advantages"] = advantages * scale
+        inputs["logprobs"] = np.asarray(sequence.logprobs[1:], dtype=np.float32) * sampled
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs=inputs,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,228 @@
+"""Sampling sessions of the local Tinker server, served by the local backend's batching sampler.
+
+A sampling session samples from one fixed snapshot of weights (the base model, or a training
+model's weights with its adapters merged at the moment the session was made), so a training
+step never changes what a running session samples: a new policy version is a new session.
+Each snapshot has its own `BatchingSampler`; concurrent requests to one session are batched.
+The pool keeps the newest `keep` snapshots; a request to an evicted one is a clear user error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from backends.local.sampler import BatchingSampler
+from backends.tinker.training import UserError
+from backends.tinker.wire import SampledTokens
+from unified.errors import UsageError
+from unified.types import SamplingParams
+
+__all__ = ["SamplerPool", "sampling_params_from_wire", "untied_copy"]
+
+BASE = "base"
+
+
+def untied_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A copy whose output layer owns its weight, so merged unembedding adapters can load."""
+    template = copy.deepcopy(model).train(False)
+    lm_head: Any = template.get_output_embeddings()
+    if lm_head is not None:
+        lm_head.weight = torch.nn.Parameter(lm_head.weight.detach().clone())
+        template.config.tie_word_embeddings = False
+    return template
+
+
+def sampling_params_from_wire(
+    wire: dict[str, Any], tokenizer: PreTrainedTokenizerBase, room: int | None
+) -> SamplingParams:
+    """`unified.types.SamplingParams` from Tinker's JSON sampling params.
+
+    Stop tokens become their text (the sampler matches stop strings; EOS always stops);
+    `max_tokens: null` means as many as the model's positions leave (`room`).
+    """
+    top_k = wire.get("top_k", -1)
+    if top_k not in (-1, 0, None):
+        raise UserError(f"sampling_params.top_k={top_k} is not supported by the local server")
+    stop = wire.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    else:
+        stops = [s if isinstance(s, str) else tokenizer.decode([int(s)]) for s in stop]
+    max_tokens = wire.get("max_tokens") or room
+    if max_tokens is None:
+        raise UserError("sampling_params.max_tokens is required for this model")
+    try:
+        return SamplingParams(
+            temperature=float(wire.get("temperature", 1.0)),
+            top_p=float(wire.get("top_p", 1.0)),
+            max_tokens=int(max_tokens),
+            stop=stops,
+            seed=wire.get("seed"),
+        )
+    except ValueError as e:
+        raise UserError(f"invalid sampling_params: {e}") from e
+
+
+class SamplerPool:
+    """The server's sampling sessions: id -> snapshot -> batching sampler."""
+
+    def __init__(
+        self,
+        template: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_batch: int = 64,
+        keep: int = 8,
+    ) -> None:
+        self.template = template
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.keep = keep
+        self._samplers: OrderedDict[str, BatchingSampler] = OrderedDict()
+        self._snapshot_of: dict[str, str] = {}
+        self._scorers: dict[str, _PromptScorer] = {}
+
+    @property
+    def max_positions(self) -> int | None:
+        """Most tokens (prompt + completion) one request may use."""
+        return getattr(self.template.config, "max_position_embeddings", None)
+
+    def add_base(self, session_id: str) -> None:
+        """Make `session_id` sample from the base model (blocking the first time)."""
+        if BASE not in self._samplers:
+            self._samplers[BASE] = BatchingSampler(
+                self.template, self.tokenizer, max_batch=self.max_batch
+            )
+        self._snapshot_of[session_id] = BASE
+
+    def add_snapshot(self, session_id: str, weights: dict[str, torch.Tensor]) -> None:
+        """Make `session_id` sample from `weights` (blocking: copies the model)."""
+        sampler = BatchingSampler(self.template, self.tokenizer, max_batch=self.max_batch)
+        sampler.load_weights(weights, 0)
+        self._samplers[session_id] = sampler
+        self._snapshot_of[session_id] = session_id
+        snapshots = [key for key in self._samplers if key != BASE]
+        for old in snapshots[: max(0, len(snapshots) - self.keep)]:
+            del self._samplers[old]
+            self._scorers.pop(old, None)
+
+    def _sampler(self, session_id: str) -> BatchingSampler:
+        snapshot = self._snapshot_of.get(session_id)
+        if snapshot is None:
+            raise UserError(f"unknown sampling session {session_id!r}")
+        sampler = self._samplers.get(snapshot)
+        if sampler is None:
+            raise UserError(
+                f"sampling session {session_id!r} expired: the local server keeps the newest "
+                f"{self.keep} weight snapshots (tinker-serve --keep-samplers)"
+            )
+        return sampler
+
+    async def sample(
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        num_samples: int,
+        wire_params: dict[str, Any],
+        *,
+        prompt_logprobs: bool = False,
+    ) -> tuple[list[SampledTokens], list[float] | None]:
+        """`num_samples` completions of `prompt_ids` (batched with concurrent requests)."""
+        sampler = self._sampler(session_id)
+        room = None if self.max_positions is None else self.max_positions - len(prompt_ids)
+        params = sampling_params_from_wire(wire_params, self.tokenizer, room)
+        if num_samples < 1:
+            raise UserError(f"num_samples must be >= 1, got {num_samples}")
+
+        def nth(i: int) -> SamplingParams:
+            seed = None if params.seed is None else params.seed + i
+            return params.model_copy(update={"seed": seed})
+
+        try:
+            outputs = await asyncio.gather(
+                *[sampler.generate(prompt_ids, nth(i)) for i in range(num_samples)]
+            )
+        except UsageError as e:  # from the sampler's checks: prompt too long, or empty
+            raise UserError(str(e)) from e
+        sequences = [
+            SampledTokens(
+                tokens=o.completion_ids,
+                logprobs=o.logprobs,
+                stop_reason="length" if o.finish_reason == "length" else "stop",
+            )
+            for o in outputs
+        ]
+        scored = None
+        if prompt_logprobs:
+            snapshot = self._snapshot_of[session_id]
+            scorer = self._scorers.setdefault(snapshot, _PromptScorer(sampler.model))
+            scored = await scorer.score(prompt_ids)
+        return sequences, scored
+
+
+class _PromptScorer:
+    """Prompt logprobs (`compute_logprobs`), concurrent requests scored in one forward pass."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self._waiting: list[tuple[list[int], asyncio.Future[list[float]]]] = []
+        self._running: asyncio.Future[None] | None = None
+
+    async def score(self, prompt_ids: list[int]) -> list[float]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[float]] = loop.create_future()
+        self._waiting.append((prompt_ids, future))
+        await asyncio.sleep(0)  # requests of the same tick join one batch
+        while not future.done():
+            if self._running is None or self._running.done():
+                batch, self._waiting = self._waiting, []
+                self._running = loop.run_in_executor(None, _score_batch, self.model, batch)
+            await asyncio.wait([future, self._running], return_when=asyncio.FIRST_COMPLETED)
+        return future.result()
+
+
+@torch.no_grad()
+def _score_batch(
+    model: PreTrainedModel, batch: list[tuple[list[int], asyncio.Future[list[float]]]]
+) -> None:
+    """Logprob of each prompt token given the ones before it (NaN for the first), per request."""
+    try:
+        width = max(len(ids) for ids, _ in batch)
+        device = next(model.parameters()).device
+        ids_BL = torch.zeros(len(batch), width, dtype=torch.long)
+        mask_BL = torch.zeros(len(batch), width, dtype=torch.long)
+        for b, (ids, _) in enumerate(batch):
+            ids_BL[b, : len(ids)], mask_BL[b, : len(ids)] = torch.tensor(ids), 1
+        ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
+        logits = model(input_ids=ids_BL, attention_mask=mask_BL).logits[:, :-1].float()
+        picked_BL = torch.log_softmax(logits, dim=-1).gather(2, ids_BL[:, 1:, None])[..., 0]
+        results: list[list[float] | BaseException] = [
+            [float("nan"), *picked_BL[b, : len(ids) - 1].tolist()]
+            for b, (ids, _) in enumerate(batch)
+        ]
+    except Exception as e:
+        results = [e] * len(batch)
+    for (_, future), result in zip(batch, results, strict=True):
+        loop = future.get_loop()
+        if isinstance(result, BaseException):
+            loop.call_soon_threadsafe(_fail, future, result)
+        else:
+            loop.call_soon_threadsafe(_resolve, future, result)
+
+
+def _resolve(future: asyncio.Future[list[float]], result: list[float]) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _fail(future: asyncio.Future[list[float]], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,338 @@
+"""`unified tinker-serve`: a Tinker-compatible HTTP server backed by the local backend's engine.
+
+The unmodified `tinker` SDK talks to it (`ServiceClient(base_url="http://127.0.0.1:8000")`):
+sessions and heartbeats, create_model (LoRA of the requested rank), get_info (the tokenizer is a
+local directory), forward / forward_backward (protobuf), optim_step, save/load weights and state
+(`tinker://` paths in a local store), sampling sessions and asample (protobuf), retrieve_future
+(long-polled), finish. Work requests are answered with a future at once; their failures are error
+futures, never dropped connections. Loopback by default; `--api-key` makes every request carry
+that key. `LocalServer` runs the same app on a background thread for tests and examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import sys
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from backends.tinker.faults import FaultInjector, Faults
+from backends.tinker.futures import FutureStore, Outcome
+from backends.tinker.service import LocalTinker
+from backends.tinker.training import UserError
+from backends.tinker.wire import WireError, decode_forward_backward
+from unified.errors import UsageError
+
+__all__ = ["DEFAULT_STORE", "LocalServer", "create_app", "main"]
+
+DEFAULT_STORE = Path(".cache/tinker-store")
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    service: LocalTinker,
+    *,
+    api_key: str | None = None,
+    faults: Faults | None = None,
+    ready: threading.Event | None = None,
+) -> FastAPI:
+    """The ASGI app serving `service`; `ready` is set once the model is loaded."""
+    futures = FutureStore()
+    injector = FaultInjector(faults or Faults())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with asyncio.TaskGroup() as tasks:
+            futures.open(tasks)
+            try:
+                await asyncio.to_thread(service.load)
+            finally:
+                if ready is not None:
+                    ready.set()
+            yield
+            futures.cancel_all()
+
+    app = FastAPI(title="unified tinker-serve", lifespan=lifespan)
+    app.state.injector = injector
+
+    @app.middleware("http")
+    async def guard(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        if api_key is not None and request.headers.get("X-API-Key") != api_key:
+            return JSONResponse({"detail": "invalid or missing API key (X-API-Key)"}, 401)
+        path = request.url.path
+        delay = injector.latency_for(path)
+        if delay:
+            await asyncio.sleep(delay)
+        status = injector.status_for(path)
+        if status is not None:
+            return JSONResponse({"detail": f"injected HTTP {status}"}, status)
+        return await call_next(request)
+
+    def submit(path: str, work: Callable[[], Awaitable[Outcome]]) -> str:
+        """Start `work` as a future; a wrong request becomes a `user` error future."""
+
+        async def guarded() -> Outcome:
+            try:
+                outcome = await work()
+            except (UserError, WireError, KeyError, TypeError, ValueError) as e:
+                outcome = Outcome(error=f"{type(e).__name__}: {e}", category="user")
+            return injector.future_outcome(path, outcome)
+
+        return futures.submit(path.rsplit("/", 1)[-1], guarded)
+
+    def future(path: str, work: Callable[[], Awaitable[Outcome]]) -> JSONResponse:
+        return JSONResponse({"request_id": submit(path, work)})
+
+    async def body(request: Request) -> dict[str, Any]:
+        payload = await request.json()
+        if not isinstance(payload, dict):
+            raise UserError("request body must be a JSON object")
+        return payload
+
+    @app.post("/api/v1/client/config")
+    async def client_config() -> dict[str, Any]:
+        return {}
+
+    @app.post("/api/v1/client/dynamic_config")
+    async def dynamic_config() -> dict[str, Any]:
+        return {}
+
+    @app.get("/api/v1/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def capabilities() -> dict[str, Any]:
+        return {"supported_models": [{"model_name": service.model_spec}]}
+
+    @app.post("/api/v1/create_session")
+    async def create_session() -> dict[str, Any]:
+        return {"type": "create_session", "session_id": service.create_session()}
+
+    @app.post("/api/v1/session_heartbeat")
+    async def heartbeat() -> dict[str, Any]:
+        return {"type": "session_heartbeat"}
+
+    @app.post("/api/v1/telemetry")
+    async def telemetry() -> dict[str, Any]:
+        return {"status": "accepted"}
+
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish(session_id: str) -> Response:
+        service.sessions.discard(session_id)
+        return Response(status_code=200)
+
+    @app.post("/api/v1/create_model")
+    async def create_model(request: Request) -> JSONResponse:
+        payload = await body(request)
+        return future("/api/v1/create_model", lambda: service.create_model(payload))
+
+    @app.post("/api/v1/get_info")
+    async def get_info(request: Request) -> JSONResponse:
+        payload = await body(request)
+        try:
+            return JSONResponse(service.get_info(str(payload.get("model_id"))))
+        except UserError as e:
+            return JSONResponse({"detail": str(e)}, 404)
+
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward(request: Request) -> JSONResponse:
+        raw = await request.body()
+
+        async def work() -> Outcome:
+            return await service.forward_backward(decode_forward_backward(raw))
+
+        return future("/api/v1/forward_backward", work)
+
+    @app.post("/api/v1/optim_step")
+    async def optim_step(request: Request) -> JSONResponse:
+        payload = await body(request)
+        return future("/api/v1/optim_step", lambda: service.optim_step(payload))
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(request: Request) -> JSONResponse:
+        payload = await body(request)
+        return future("/api/v1/save_weights", lambda: service.save_weights(payload, kind="weights"))
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> JSONResponse:
+        payload = await body(request)
+        if payload.get("path"):
+            work = lambda: service.save_weights(payload, kind="sampler_weights")  # noqa: E731
+        else:
+            work = lambda: service.snapshot_for_sampler(payload)  # noqa: E731
+        return future("/api/v1/save_weights_for_sampler", work)
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request) -> JSONResponse:
+        payload = await body(request)
+        return future("/api/v1/load_weights", lambda: service.load_weights(payload))
+
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request) -> JSONResponse:
+        payload = await body(request)
+        try:
+            session_id = await service.create_sampling_session(payload)
+        except UserError as e:
+            return JSONResponse({"detail": str(e)}, 422)
+        return JSONResponse({"type": "create_sampling_session", "sampling_session_id": session_id})
+
+    @app.get("/api/v1/samplers/{sampler_id}")
+    async def sampler_info(sampler_id: str) -> dict[str, Any]:
+        return {"sampler_id": sampler_id, "base_model": service.model_spec, "model_path": None}
+
+    @app.post("/api/v1/asample")
+    async def asample(request: Request) -> JSONResponse:
+        payload = await body(request)
+        request_id = submit("/api/v1/asample", lambda: service.sample(payload))
+        count = int(payload.get("num_samples", 1))
+        # One id per sample, as the service gives (the SDK stamps them on the sequences).
+        sequence_ids = [f"{request_id}:{i}" for i in range(count)]
+        return JSONResponse({"request_id": request_id, "sample_sequence_ids": sequence_ids})
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        payload = await body(request)
+        request_id = str(payload.get("request_id"))
+        try:
+            outcome = await futures.retrieve(request_id)
+        except KeyError:
+            return JSONResponse({"detail": f"future {request_id!r} not found"}, 404)
+        if outcome is None:
+            return JSONResponse(
+                {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+            )
+        if outcome.error is not None:
+            return JSONResponse({"error": outcome.error, "category": outcome.category})
+        return Response(outcome.body, media_type=outcome.media_type)
+
+    return app
+
+
+class LocalServer:
+    """The server on a background thread: `with LocalServer("builtin:tiny") as url: ...`."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        store: Path = DEFAULT_STORE,
+        api_key: str | None = None,
+        faults: Faults | None = None,
+        max_batch: int = 64,
+        keep_samplers: int = 8,
+    ) -> None:
+        self.service = LocalTinker(model, store, max_batch=max_batch, keep_samplers=keep_samplers)
+        self._ready = threading.Event()
+        self.app = create_app(self.service, api_key=api_key, faults=faults, ready=self._ready)
+        self._socket = socket.create_server((host, port))
+        self.host, self.port = self._socket.getsockname()[:2]
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._serve, name="tinker-serve", daemon=True)
+        self._error: BaseException | None = None
+
+    @property
+    def base_url(self) -> str:
+        """Where the SDK reaches the server."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def injected(self) -> dict[str, int]:
+        """How many faults of each kind the server injected so far."""
+        injector: FaultInjector = self.app.state.injector
+        return dict(injector.injected)
+
+    def _serve(self) -> None:
+        try:
+            self._server.run(sockets=[self._socket])
+        except BaseException as e:
+            self._error = e
+        finally:
+            self._ready.set()
+
+    def start(self, timeout_s: float = 120.0) -> str:
+        """Start serving and wait (at most `timeout_s`) for the model to load; the base URL."""
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"the local Tinker server did not load within {timeout_s:g} s")
+        if self._error is not None or not self._thread.is_alive():
+            raise UsageError(f"the local Tinker server failed to start: {self._error!r}")
+        return self.base_url
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop serving and wait (at most `timeout_s`) for the thread to end."""
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._socket.close()
+
+    def wait(self) -> None:
+        """Block until the server stops (Ctrl-C in the calling thread interrupts it)."""
+        self._thread.join()
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`unified tinker-serve`: serve a model over the Tinker protocol until interrupted."""
+    parser = argparse.ArgumentParser(
+        prog="unified tinker-serve", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="interface (default: loopback)")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--model", default="builtin:tiny", help="builtin:<size> or a local dir")
+    parser.add_argument("--api-key", default=None, help="require this X-API-Key (tml-...)")
+    parser.add_argument("--store", type=Path, default=DEFAULT_STORE, help="tinker:// paths")
+    parser.add_argument("--max-batch", type=int, default=64, help="most requests per batch")
+    parser.add_argument("--keep-samplers", type=int, default=8, help="weight snapshots kept")
+    parser.add_argument("--faults", default=None, help='JSON, e.g. {"http_500_rate": 0.1}')
+    args = parser.parse_args(argv)
+    faults = Faults.model_validate(json.loads(args.faults)) if args.faults else None
+    from unified.cli import run_command
+
+    def serve() -> int:
+        server = LocalServer(
+            args.model,
+            host=args.host,
+            port=args.port,
+            store=args.store,
+            api_key=args.api_key,
+            faults=faults,
+            max_batch=args.max_batch,
+            keep_samplers=args.keep_samplers,
+        )
+        url = server.start()
+        auth = "X-API-Key required" if args.api_key else "any tml- key"
+        print(f"tinker-serve: {args.model} at {url} ({auth}; store {args.store})", flush=True)
+        try:
+            server.wait()
+        finally:
+            server.stop()
+        return 0
+
+    return run_command(serve, prog="unified tinker-serve")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""One LoRA training model of the local Tinker server: Tinker's losses, AdamW, saved state.
+
+Semantics follow the service: position i of a datum's input predicts `target_tokens[i]`; every
+loss is a token-level **sum** (`loss:sum`), with per-token `advantages` (0 on prompt positions)
+and per-token `weights` for `cross_entropy`. Gradients of several `forward_backward` calls
+accumulate until `optim_step` (AdamW with the request's hyperparameters). The per-token policy
+losses are the local backend's (`backends.local.losses`). Every method blocks: the server calls
+them from a worker thread, one at a time per model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
+
+from backends.local.losses import per_token_loss
+from backends.tinker.lora import LoraTargets, attach_lora, merged_state_dict
+from backends.tinker.wire import WireDatum
+
+__all__ = ["LOSS_INPUTS", "AdamSettings", "LoraSpec", "TrainingModel", "UserError"]
+
+LOSS_INPUTS: dict[str, frozenset[str]] = {
+    "cross_entropy": frozenset({"target_tokens", "weights"}),
+    "importance_sampling": frozenset({"target_tokens", "logprobs", "advantages"}),
+    "ppo": frozenset({"target_tokens", "logprobs", "advantages"}),
+    "cispo": frozenset({"target_tokens", "logprobs", "advantages"}),
+}
+"""The loss functions the server runs and the exact `loss_fn_inputs` each one takes."""
+
+_MICRO_BATCH = 64
+
+
+class UserError(ValueError):
+    """The request is wrong (bad loss, inputs, path); answered as a `user` error future."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """How a model's adapters are shaped: rank, seed and the layer families they cover."""
+
+    rank: int
+    seed: int = 0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+
+@dataclass(frozen=True)
+class AdamSettings:
+    """One `optim_step`'s AdamW hyperparameters (`tinker.AdamParams`)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class TrainingModel:
+    """A copy of the base model with LoRA adapters, its optimizer and accumulated gradients."""
+
+    def __init__(self, base: PreTrainedModel, lora: LoraSpec) -> None:
+        self.lora = lora
+        self.model = copy.deepcopy(base).train(False)
+        targets = LoraTargets(attn=lora.train_attn, mlp=lora.train_mlp, unembed=lora.train_unembed)
+        adapters = attach_lora(self.model, lora.rank, targets, seed=lora.seed)
+        self.parameters = {
+            f"{name}.{part}": getattr(adapter, part)
+            for name, adapter in adapters.items()
+            for part in ("lora_A", "lora_B")
+        }
+        self.optimizer = torch.optim.AdamW(list(self.parameters.values()), lr=1e-4)
+        self.device = next(self.model.parameters()).device
+
+    # -- training -----------------------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        data: list[WireDatum],
+        loss_fn: str,
+        loss_fn_config: dict[str, float],
+        *,
+        forward_only: bool,
+    ) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Per-datum logprobs of the target tokens and `loss:sum`; accumulates gradients."""
+        clip_ratio = _clip_ratio(loss_fn, loss_fn_config)
+        for i, datum in enumerate(data):
+            _check_datum(i, datum, loss_fn)
+        outputs: list[np.ndarray] = []
+        loss_sum = 0.0
+        for start in range(0, len(data), _MICRO_BATCH):
+            chunk = data[start : start + _MICRO_BATCH]
+            with torch.set_grad_enabled(not forward_only):
+                logp_BL, mask_BL = self._target_logprobs(chunk)
+                loss = self._loss(chunk, loss_fn, logp_BL, mask_BL, clip_ratio)
+                if not forward_only and loss.requires_grad:
+                    loss.backward()  # type: ignore[no-untyped-call]
+            loss_sum += float(loss.detach())
+            detached = logp_BL.detach().float().cpu().numpy()
+            outputs += [detached[b, : len(d.tokens)].copy() for b, d in enumerate(chunk)]
+        return outputs, {"loss:sum": loss_sum}
+
+    def _target_logprobs(self, chunk: list[WireDatum]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(d.tokens) for d in chunk)
+        ids_BL = torch.zeros(len(chunk), width, dtype=torch.long)
+        targets_BL = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask_BL = torch.zeros(len(chunk), width, dtype=torch.long)
+        for b, d in enumerate(chunk):
+            n = len(d.tokens)
+            ids_BL[b, :n] = torch.from_numpy(d.tokens)
+            targets_BL[b, :n] = torch.from_numpy(d.inputs["target_tokens"].astype(np.int64))
+            mask_BL[b, :n] = 1
+        ids_BL, targets_BL, mask_BL = (t.to(self.device) for t in (ids_BL, targets_BL, mask_BL))
+        logits_BLV = self.model(input_ids=ids_BL, attention_mask=mask_BL).logits.float()
+        logp_BLV = torch.log_softmax(logits_BLV, dim=-1)
+        return logp_BLV.gather(2, targets_BL[..., None])[..., 0], mask_BL
+
+    def _loss(
+        self,
+        chunk: list[WireDatum],
+        loss_fn: str,
+        logp_BL: torch.Tensor,
+        mask_BL: torch.Tensor,
+        clip_ratio: float,
+    ) -> torch.Tensor:
+        valid = mask_BL.bool()
+        logp_T = logp_BL[valid]
+
+        def flat(name: str) -> torch.Tensor:
+            values = np.concatenate([d.inputs[name] for d in chunk]).astype(np.float32)
+            return torch.from_numpy(values).to(self.device)
+
+        if loss_fn == "cross_entropy":
+            return -(flat("weights") * logp_T).sum()
+        terms = per_token_loss(
+            loss_fn, logp_T, flat("logprobs"), flat("advantages"), clip_ratio=clip_ratio
+        )
+        return terms.loss_T.sum()
+
+    def optim_step(self, adam: AdamSettings) -> dict[str, float]:
+        """One AdamW step on the accumulated gradients, then clear them."""
+        params = [p for p in self.parameters.values() if p.grad is not None]
+        if not params:
+            return {"grad_norm": 0.0}
+        norm_limit = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, norm_limit))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise UserError(f"gradient norm is {grad_norm}; lower the learning rate")
+        for group in self.optimizer.param_groups:
+            group.update(
+                lr=adam.learning_rate,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm}
+
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        """The base weights with the adapters folded in: what a sampler of this model loads."""
+        return merged_state_dict(self.model)
+
+    # -- saved state --------------------------------------------------------------------------
+
+    def save(self, directory: Path, *, base_model: str, optimizer: bool) -> None:
+        """Write the adapters (and the optimizer state) and their shape into `directory`."""
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            f"adapter.{k}": v.detach().cpu().contiguous() for k, v in self.parameters.items()
+        }
+        meta: dict[str, Any] = {"base_model": base_model, "lora": self.lora.__dict__}
+        if optimizer:
+            names = {id(p): k for k, p in self.parameters.items()}
+            for param, state in self.optimizer.state.items():
+                for key, value in state.items():
+                    tensors[f"optimizer.{names[id(param)]}.{key}"] = value.detach().cpu().clone()
+            meta["param_groups"] = [
+                {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+            ]
+        save_file(tensors, str(directory / "state.safetensors"))
+        (directory / "meta.json").write_text(json.dumps(meta))
+
+    @staticmethod
+    def read_meta(directory: Path) -> dict[str, Any]:
+        """The base model and LoRA shape a saved state was made with."""
+        path = directory / "meta.json"
+        if not path.is_file():
+            raise UserError(f"no saved state at {directory}")
+        meta: dict[str, Any] = json.loads(path.read_text())
+        return meta
+
+    def load(self, directory: Path, *, optimizer: bool) -> None:
+        """Restore the adapters (and the optimizer state if asked and saved) from `directory`."""
+        tensors = load_file(str(directory / "state.safetensors"), device=str(self.device))
+        with torch.no_grad():
+            for key, param in self.parameters.items():
+                param.copy_(tensors[f"adapter.{key}"])
+        if not optimizer:
+            return
+        meta = self.read_meta(directory)
+        if "param_groups" not in meta:
+            raise UserError(f"the state at {directory} was saved without optimizer state")
+        for key, param in self.parameters.items():
+            prefix = f"optimizer.{key}."
+            state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+            if state:
+                self.optimizer.state[param] = state
+        for group, saved in zip(self.optimizer.param_groups, meta["param_groups"], strict=True):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+
+
+def _clip_ratio(loss_fn: str, config: dict[str, float]) -> float:
+    """The symmetric clip range `e` of `[1 - e, 1 + e]` from Tinker's clip thresholds."""
+    if loss_fn not in LOSS_INPUTS:
+        supported = ", ".join(sorted(LOSS_INPUTS))
+        raise UserError(f"loss_fn {loss_fn!r} is not served here; supported: {supported}")
+    unknown = set(config) - {"clip_low_threshold", "clip_high_threshold"}
+    if unknown:
+        raise UserError(f"loss_fn_config keys {sorted(unknown)} are not supported")
+    low = config.get("clip_low_threshold", 0.8)
+    high = config.get("clip_high_threshold", 1.2)
+    if not math.isclose(1.0 - low, high - 1.0, abs_tol=1e-6) or high <= 1.0:
+        raise UserError(
+            f"clip thresholds ({low}, {high}) must be symmetric around 1 on the local server"
+        )
+    return high - 1.0
+
+
+def _check_datum(index: int, datum: WireDatum, loss_fn: str) -> None:
+    wanted = LOSS_INPUTS[loss_fn]
+    got = set(datum.inputs)
+    if got != wanted:
+        raise UserError(
+            f"datum {index}: loss {loss_fn!r} takes loss_fn_inputs {sorted(wanted)}, "
+            f"got {sorted(got)}"
+        )
+    n = len(datum.tokens)
+    if n == 0:
+        raise UserError(f"datum {index} has an empty model_input")
+    for name, values in datum.inputs.items():
+        if len(values) != n:
+            raise UserError(
+                f"datum {index}: loss_fn_inputs[{name!r}] has {len(values)} entries for "
+                f"{n} input tokens"
+            )

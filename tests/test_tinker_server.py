@@ -1,0 +1,154 @@
+"""The unmodified tinker SDK against the local Tinker server: sampling, training, saved state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tinker
+
+from backends.tinker.faults import Faults
+from backends.tinker.server import LocalServer
+
+DEADLINE_S = 60
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[LocalServer]:
+    """A local server on a free loopback port with its own store."""
+    served = LocalServer("builtin:tiny", store=tmp_path / "store")
+    served.start(timeout_s=DEADLINE_S)
+    yield served
+    served.stop()
+
+
+@pytest.fixture
+def service(server: LocalServer) -> Iterator[tinker.ServiceClient]:
+    client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    yield client
+    client.close("success").result(timeout=DEADLINE_S)
+
+
+def training_client(service: tinker.ServiceClient, rank: int = 8) -> tinker.TrainingClient:
+    return service.create_lora_training_client("builtin:tiny", rank=rank).result(DEADLINE_S)
+
+
+def sample(client: tinker.SamplingClient, n: int = 4, seed: int = 1) -> tinker.SampleResponse:
+    params = tinker.SamplingParams(max_tokens=8, temperature=1.0, seed=seed)
+    prompt = tinker.ModelInput.from_ints(PROMPT)
+    return client.sample(prompt, num_samples=n, sampling_params=params).result(DEADLINE_S)
+
+
+def rl_datum(seq: tinker.SampledSequence, advantage: float) -> tinker.Datum:
+    """Shift by one: input prompt + completion[:-1], targets prompt[1:] + completion."""
+    tokens, n = list(seq.tokens), len(PROMPT) - 1
+    assert seq.logprobs is not None
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(PROMPT + tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": PROMPT[1:] + tokens,
+            "logprobs": [0.0] * n + list(seq.logprobs),
+            "advantages": [0.0] * n + [advantage] * len(tokens),
+        },
+    )
+
+
+def completion_logprobs(tc: tinker.TrainingClient, datums: list[tinker.Datum]) -> np.ndarray:
+    """The trainer's logprobs of every completion token, recomputed by `forward`."""
+    out = tc.forward(datums, "importance_sampling").result(DEADLINE_S)
+    n = len(PROMPT) - 1
+    return np.concatenate([o["logprobs"].to_numpy()[n:] for o in out.loss_fn_outputs])
+
+
+def test_installed_sdk_is_the_pinned_version() -> None:
+    assert version("tinker") == "0.38.0", "pyproject pins tinker==0.38.0; the server speaks it"
+
+
+def test_sampling_shapes_and_logprobs_match_the_trainers(service: tinker.ServiceClient) -> None:
+    tc = training_client(service)
+    response = sample(tc.save_weights_and_get_sampling_client().result(DEADLINE_S), n=4)
+    assert len(response.sequences) == 4, "one sequence per requested sample"
+    for seq in response.sequences:
+        assert seq.logprobs is not None and len(seq.logprobs) == len(seq.tokens) > 0
+        assert seq.stop_reason in ("stop", "length")
+    sampled = np.concatenate([np.asarray(s.logprobs) for s in response.sequences])
+    recomputed = completion_logprobs(tc, [rl_datum(s, 0.0) for s in response.sequences])
+    gap = float(np.abs(recomputed - sampled).max())
+    assert gap <= 1e-5, f"sampler and trainer logprobs differ by {gap}"
+
+
+def test_a_positive_advantage_raises_the_sequences_logprob(service: tinker.ServiceClient) -> None:
+    tc = training_client(service)
+    seq = sample(tc.save_weights_and_get_sampling_client().result(DEADLINE_S), n=1).sequences[0]
+    datum = rl_datum(seq, 1.0)
+    before = completion_logprobs(tc, [datum]).sum()
+    backward = tc.forward_backward([datum], "importance_sampling")
+    step = tc.optim_step(tinker.AdamParams(learning_rate=1e-2))
+    backward.result(DEADLINE_S), step.result(DEADLINE_S)
+    after = completion_logprobs(tc, [datum]).sum()
+    assert after > before + 0.1, f"logprob of the rewarded sequence went {before} -> {after}"
+    fresh = tc.save_weights_and_get_sampling_client().result(DEADLINE_S)
+    response = sample(fresh, n=1, seed=123)
+    recomputed = completion_logprobs(tc, [rl_datum(response.sequences[0], 0.0)])
+    assert response.sequences[0].logprobs is not None
+    gap = float(np.abs(recomputed - np.asarray(response.sequences[0].logprobs)).max())
+    assert gap <= 1e-5, f"after training, the merged-adapter sampler is {gap} off the trainer"
+
+
+def test_a_client_restored_from_saved_state_continues_identically(
+    service: tinker.ServiceClient,
+) -> None:
+    tc = training_client(service)
+    seq = sample(tc.save_weights_and_get_sampling_client().result(DEADLINE_S), n=1).sequences[0]
+    datum = rl_datum(seq, 1.0)
+    adam = tinker.AdamParams(learning_rate=1e-2)
+    tc.forward_backward([datum], "ppo").result(DEADLINE_S)
+    tc.optim_step(adam).result(DEADLINE_S)
+    path = tc.save_state("after-one-step").result(DEADLINE_S).path
+    assert path.startswith("tinker://"), path
+    restored = service.create_training_client_from_state_with_optimizer(path).result(DEADLINE_S)
+    assert restored.get_info().lora_rank == 8, "the restored model keeps its LoRA rank"
+    np.testing.assert_array_equal(
+        completion_logprobs(restored, [datum]), completion_logprobs(tc, [datum])
+    )
+    for client in (tc, restored):  # the same second step: equal only if Adam's state came back
+        client.forward_backward([datum], "ppo").result(DEADLINE_S)
+        client.optim_step(adam).result(DEADLINE_S)
+    np.testing.assert_allclose(
+        completion_logprobs(restored, [datum]), completion_logprobs(tc, [datum]), atol=1e-6
+    )
+
+
+def test_an_unknown_loss_input_is_a_clear_request_error(service: tinker.ServiceClient) -> None:
+    tc = training_client(service)
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(PROMPT),
+        loss_fn_inputs={
+            "target_tokens": PROMPT,
+            "weights": [1.0] * 5,
+            "mask": np.ones(5, np.float32),  # the cookbook's key, which must never be sent
+        },
+    )
+    with pytest.raises(tinker.RequestFailedError, match="takes loss_fn_inputs"):
+        tc.forward_backward([datum], "cross_entropy").result(DEADLINE_S)
+
+
+def test_an_error_future_is_a_clear_error_not_a_hang(tmp_path: Path) -> None:
+    faults = Faults(error_future_rate=1.0, error_future_paths=frozenset({"/api/v1/optim_step"}))
+    with LocalServer("builtin:tiny", store=tmp_path, faults=faults) as url:
+        client = tinker.ServiceClient(base_url=url, api_key="tml-test")
+        tc = training_client(client)
+        with pytest.raises(tinker.RequestFailedError, match="injected error future"):
+            tc.optim_step(tinker.AdamParams()).result(DEADLINE_S)
+        client.close("errored").result(DEADLINE_S)
+
+
+def test_a_wrong_key_is_refused(tmp_path: Path) -> None:
+    with LocalServer("builtin:tiny", store=tmp_path, api_key="tml-right") as url:
+        client = tinker.ServiceClient(base_url=url, api_key="tml-wrong")
+        with pytest.raises(tinker.AuthenticationError, match="invalid or missing API key"):
+            client.create_lora_training_client("builtin:tiny", rank=8).result(DEADLINE_S)

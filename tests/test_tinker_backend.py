@@ -43,7 +43,7 @@ def tinker_config(make_config: ConfigFactory) -> Any:
     """A config factory for the tinker backend with the digits workflow."""
 
     def make(base_url: str | None = None, **sections: Any) -> dict[str, Any]:
-        trainer = {"batch_size": 4, "group_size": 4, "lr": 2e-2, **sections.pop("trainer", {})}
+        trainer = {"batch_size": 4, "group_size": 4, "lr": 1e-2, **sections.pop("trainer", {})}
         return make_config(
             backend="tinker",
             workflow="tests.test_tinker_backend:DigitsWorkflow",
@@ -75,11 +75,16 @@ def rewards(run_dir: Path) -> list[float]:
 def test_reward_rises_when_training_through_tinker(
     mode: str, server: LocalServer, tinker_config: Any
 ) -> None:
-    config = tinker_config(server.base_url, mode=mode, trainer={"total_steps": 8})
+    # 32 rollouts a step keep the curve steady; the policy can reach all-digit replies (every
+    # group equal), so no group is filtered.
+    trainer = {"total_steps": 6, "batch_size": 8, "filter_groups": False}
+    # Staleness 0 keeps a 6-step curve steady (off-policy noise hides the rise at this batch);
+    # requests running across a weight sync are tested below.
+    config = tinker_config(server.base_url, mode=mode, trainer=trainer, async_={"max_staleness": 0})
     result = UnifiedTrainer(config, train_tasks=tasks()).fit()
     curve = rewards(result.run_dir)
-    assert result.steps == 8 and len(curve) == 8
-    first, last = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
+    assert result.steps == 6 and len(curve) == 6
+    first, last = sum(curve[:3]) / 3, sum(curve[3:]) / 3
     assert last > first + 0.05, f"{mode}: reward did not rise: {curve}"
     assert "train/kl_sample_train" in result.metrics and "train/grad_norm" in result.metrics
 

@@ -180,25 +180,25 @@ class TrajectoryGroupBuffer:
     async def write_ended(self, step: int) -> list[EndedGroup]:
         """Write the ledger lines of groups that ended untrained since the last call (in `step`)."""
         ended, self._ended = self._ended, []
-        for e in ended:
-            # Until its line is written a group counts as in flight: resume dispatches it again.
-            del self._tasks[e.ticket.group_id]
         version = self.coordinator.version
         lines = [
             _line(e.ticket, e.outcome, step, e.policy_version, version, e.reason) for e in ended
         ]
         if lines:
             await asyncio.to_thread(self._ledger, lines)
+        for e in ended:
+            # Until its line is written a group counts as in flight: resume dispatches it again.
+            del self._tasks[e.ticket.group_id]
         return ended
 
     async def write_trained(
         self, items: Sequence[tuple[GroupTicket, TrajectoryGroup]], step: int, version: int
     ) -> None:
         """`items` were trained in `step` onto the weights of `version`: they end here."""
-        for ticket, _ in items:
-            del self._tasks[ticket.group_id]
         lines = [_line(t, "trained", step, g.policy_version, version) for t, g in items]
         await asyncio.to_thread(self._ledger, lines)
+        for ticket, _ in items:
+            del self._tasks[ticket.group_id]
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from unified.types import (
     Task,
     Trajectory,
     TrajectoryGroup,
+    Transcript,
 )
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "TrajectoryGroupBuffer",
+    "Transcript",
     "UnifiedTrainer",
     "load_config",
 ]

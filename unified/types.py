@@ -7,17 +7,22 @@ form a `TrajectoryGroup`, the unit that is filtered, given advantages, and train
 
 from __future__ import annotations
 
+import copy
+import itertools
 import math
-from typing import Any, Literal
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal, overload
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    GetCoreSchemaHandler,
     ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic_core import core_schema
 
 __all__ = [
     "Episode",
@@ -29,11 +34,94 @@ __all__ = [
     "Task",
     "Trajectory",
     "TrajectoryGroup",
+    "Transcript",
 ]
 
 FinishReason = Literal["stop", "length", "aborted"]
 EpisodeStatus = Literal["ok", "error", "timeout", "aborted"]
 Message = dict[str, Any]
+
+
+class Transcript(Sequence[Message]):
+    """An append-only conversation whose snapshots share its storage instead of copying it.
+
+    A multi-turn workflow appends each message once (copied then) and gives every `Step` the
+    transcript itself: the step keeps an O(1) `snapshot()` of the first `len` messages, so an
+    N-turn episode holds N messages, not N^2/2 copies. Nothing is ever removed or replaced, so a
+    snapshot never changes; snapshots are frozen (appending to one raises). Entries are shared:
+    read them, never mutate them in place.
+    """
+
+    __slots__ = ("_entries", "_frozen", "_length")
+
+    def __init__(self, messages: Iterable[Mapping[str, Any]] = ()) -> None:
+        self._entries: list[Message] = [dict(m) for m in messages]
+        self._length = len(self._entries)
+        self._frozen = False
+
+    def append(self, message: Mapping[str, Any]) -> None:
+        """Add one message (a shallow copy of it) at the end."""
+        if self._frozen:
+            raise TypeError("a Transcript snapshot is read-only; append to the live transcript")
+        self._entries.append(dict(message))
+        self._length += 1
+
+    def extend(self, messages: Iterable[Mapping[str, Any]]) -> None:
+        """Append each of `messages`."""
+        for message in messages:
+            self.append(message)
+
+    def snapshot(self) -> Transcript:
+        """A frozen view of the messages so far, sharing storage: O(1), unaffected by appends."""
+        if self._frozen:
+            return self
+        view = Transcript.__new__(Transcript)
+        view._entries, view._length, view._frozen = self._entries, self._length, True
+        return view
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> Message: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Message]: ...
+
+    def __getitem__(self, index: int | slice) -> Message | list[Message]:
+        if isinstance(index, slice):
+            return self._entries[: self._length][index]
+        if not -self._length <= index < self._length:
+            raise IndexError(f"transcript index {index} out of range for {self._length} messages")
+        return self._entries[index % self._length]
+
+    def __iter__(self) -> Iterator[Message]:
+        return itertools.islice(self._entries, self._length)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (Transcript, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
+
+    def __repr__(self) -> str:
+        return f"Transcript({list(self)!r})"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Transcript:
+        # Copy only this view's messages, not the shared storage past it.
+        return Transcript(copy.deepcopy(list(self), memo)).snapshot()
+
+    @classmethod
+    def __get_pydantic_core_schema__(
+        cls, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.is_instance_schema(
+            cls,
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda t: [dict(m) for m in t]
+            ),
+        )
 
 
 class _Model(BaseModel):
@@ -107,9 +195,14 @@ class ModelOutput(_Model):
 
 
 class Step(_Model):
-    """One model call: the conversation the model saw, what it returned, and the step's reward."""
+    """One model call: the conversation the model saw, what it returned, and the step's reward.
 
-    messages: list[Message] = Field(default_factory=list)
+    `messages` given as a list is copied; given as a `Transcript`, the step keeps an O(1)
+    snapshot of it. Either way, a workflow that keeps appending to one conversation never
+    rewrites an earlier step.
+    """
+
+    messages: list[Message] | Transcript = Field(default_factory=list)
     output: ModelOutput
     reward: float = 0.0
     info: dict[str, Any] = Field(default_factory=dict)
@@ -118,6 +211,8 @@ class Step(_Model):
     @classmethod
     def _copy_messages(cls, messages: Any) -> Any:
         # A workflow that keeps appending to one list must not rewrite earlier steps.
+        if isinstance(messages, Transcript):
+            return messages.snapshot()
         if isinstance(messages, list):
             return [dict(m) if isinstance(m, dict) else m for m in messages]
         return messages

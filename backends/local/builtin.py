@@ -95,8 +95,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 # A compact ChatML: the three common roles are one token each (sequences are characters, so
-# "<|im_start|>assistant\n" would cost 11 tokens of every prompt); other roles use ChatML's form.
+# "<|im_start|>assistant\n" would cost 11 tokens of every prompt); other roles (`tool`) use
+# ChatML's form. `tools` given to `apply_chat_template` open the prompt as a system message, one
+# JSON schema a line. Tool calls are plain text in the assistant's content (format:
+# workflows/tool_calls.py), so a re-rendered conversation extends the previous prompt plus the
+# sampled tokens exactly.
 _CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>"
+    "{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] in ['system', 'user', 'assistant'] %}<|{{ message['role'] }}|>"
     "{% else %}<|im_start|>{{ message['role'] }}\n{% endif %}"

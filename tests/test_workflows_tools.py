@@ -1,0 +1,196 @@
+"""Tool workflows: schemas from typed functions, the call format, and failures as observations."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Literal
+
+import pytest
+
+from tests.agents import LOOKUP_CALL, LookupBanditWorkflow, ScriptedEngine, ToolBanditBackend
+from tests.bandit import bandit_tasks
+from tests.conftest import ConfigFactory
+from unified import UnifiedTrainer
+from unified.types import Task
+from workflows.tool_calls import ToolCall, parse_tool_calls
+from workflows.tools import Tool, ToolWorkflow, run_tool_calls
+
+TASK = Task(id="t", data={"a": 2, "b": 3})
+
+
+def add(a: int, b: int = 0) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first addend.
+        b: The second addend.
+    """
+    return a + b
+
+
+async def fail(reason: str) -> str:
+    """Always raise."""
+    raise ValueError(reason)
+
+
+never = asyncio.Event()
+
+
+async def hang(mode: Literal["slow", "stuck"]) -> str:
+    """Never return."""
+    await never.wait()
+    return mode
+
+
+TOOLS = {t.name: t for t in map(Tool.from_function, (add, fail, hang))}
+
+
+def call(name: str, **arguments: Any) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def test_a_tool_schema_comes_from_the_signature_and_docstring() -> None:
+    schema = TOOLS["add"].schema()
+    assert schema["type"] == "function"
+    function = schema["function"]
+    assert (function["name"], function["description"]) == ("add", "Add two integers.")
+    assert function["parameters"]["properties"] == {
+        "a": {"type": "integer", "description": "The first addend."},
+        "b": {"type": "integer", "description": "The second addend.", "default": 0},
+    }
+    assert function["parameters"]["required"] == ["a"]
+    assert TOOLS["hang"].schema()["function"]["parameters"]["properties"]["mode"]["enum"] == [
+        "slow",
+        "stuck",
+    ]
+
+
+def test_a_parameter_without_a_type_hint_is_refused_by_name() -> None:
+    def untyped(x):  # type: ignore[no-untyped-def]
+        return x
+
+    with pytest.raises(TypeError, match="parameter 'x' needs a type hint"):
+        Tool.from_function(untyped)
+
+
+def test_calls_are_parsed_in_order_and_a_reply_without_one_is_an_answer() -> None:
+    text = f"let me see {call('add', a=1, b=2)} and {call('fail', reason='x')}"
+    assert parse_tool_calls(text) == [
+        ToolCall("add", {"a": 1, "b": 2}),
+        ToolCall("fail", {"reason": "x"}),
+    ]
+    assert parse_tool_calls("42") == []
+    stringly = '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    assert parse_tool_calls(stringly) == [ToolCall("add", {"a": 1})], "JSON-string arguments"
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("<tool_call>{not json}</tool_call>", "not valid JSON"),
+        ('<tool_call>{"arguments": {}}</tool_call>', "needs {"),
+        ('<tool_call>{"name": "add", "arguments": [1]}</tool_call>', "must be an object"),
+        ('<tool_call>{"name": "add", "arguments": {}}', "not closed"),
+    ],
+)
+def test_a_malformed_call_is_parsed_into_an_error_not_raised(text: str, error: str) -> None:
+    (parsed,) = parse_tool_calls(text)
+    assert parsed.error is not None and error in parsed.error
+
+
+async def test_tool_failures_become_error_results_the_model_reads() -> None:
+    calls = [
+        ToolCall("add", {"a": 2, "b": 3}),
+        ToolCall("fail", {"reason": "boom"}),
+        ToolCall("add", {"a": "two"}),
+        ToolCall("nope", {}),
+        ToolCall("", error="tool call is not valid JSON"),
+    ]
+    results = await run_tool_calls(calls, TOOLS, timeout_s=5)
+    assert [r.ok for r in results] == [True, False, False, False, False]
+    assert results[0].message() == {"role": "tool", "name": "add", "content": "5"}
+    assert results[1].content == "error: ValueError: boom"
+    assert results[2].content.startswith("error: bad arguments for 'add': a:")
+    assert "unknown tool 'nope'" in results[3].content
+    assert results[4].content == "error: tool call is not valid JSON"
+
+
+async def test_a_tool_past_its_timeout_becomes_an_error_result() -> None:
+    (result,) = await run_tool_calls([ToolCall("hang", {"mode": "stuck"})], TOOLS, timeout_s=0.05)
+    assert not result.ok and result.content == "error: tool 'hang' timed out after 0.05 s"
+
+
+class Adder(ToolWorkflow):
+    tools = (add, fail)
+    max_turns = 3
+
+    def messages(self, task: Task) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": f"{task.data['a']} + {task.data['b']}?"}]
+
+    def reward(self, task: Task, answer: str) -> tuple[float, bool]:
+        correct = answer.strip() == str(task.data["a"] + task.data["b"])
+        return float(correct), correct
+
+
+async def test_tool_results_come_back_as_tool_messages_and_the_answer_is_scored() -> None:
+    engine = ScriptedEngine([call("fail", reason="flaky"), call("add", a=2, b=3), "5"])
+    trajectory = await Adder().run(TASK, engine)
+    assert len(trajectory.steps) == 3 and trajectory.reward == 1.0
+    assert trajectory.steps[-1].info["correct"] is True
+    assert trajectory.steps[0].info == {
+        "turn": 0, "done": False, "truncated": False,
+        "tool_calls": 1, "tool_errors": 1, "correct": False,
+    }  # fmt: skip
+    last_prompt = engine.prompts[-1]
+    assert last_prompt[0]["role"] == "system" and '"name":"add"' in last_prompt[0]["content"]
+    tool_messages = [m for m in last_prompt if m["role"] == "tool"]
+    assert [m["content"] for m in tool_messages] == ["error: ValueError: flaky", "5"]
+
+
+async def test_an_episode_that_only_calls_tools_until_the_limit_scores_zero() -> None:
+    engine = ScriptedEngine([call("add", a=1)] * 3)
+    trajectory = await Adder().run(TASK, engine)
+    assert len(trajectory.steps) == 3 and trajectory.reward == 0.0
+    assert trajectory.steps[-1].info["truncated"]
+
+
+async def test_without_declared_tools_no_system_message_is_added() -> None:
+    class Quiet(Adder):
+        declare_tools = False
+
+    engine = ScriptedEngine(["5"])
+    await Quiet().run(TASK, engine)
+    assert [m["role"] for m in engine.prompts[0]] == ["user"]
+
+
+def test_a_tool_workflow_trains_end_to_end_for_two_steps(make_config: ConfigFactory) -> None:
+    backend = ToolBanditBackend()
+    config = make_config(workflow="tests.agents:LookupBanditWorkflow", trainer={"total_steps": 2})
+    result = UnifiedTrainer(
+        config, backend=backend, train_tasks=bandit_tasks(8), workflow=LookupBanditWorkflow
+    ).fit()
+    assert result.steps == 2 and result.metrics["episodes/errors"] == 0
+    calls = [s for s in backend.steps_seen if s.output.text == LOOKUP_CALL]
+    answers = [s for s in backend.steps_seen if s.output.text.isdigit()]
+    assert calls and len(calls) == len(answers), "every episode: one tool call, then an answer"
+    assert all(s.messages[-1]["role"] == "tool" for s in answers), "answers saw the tool result"
+    assert all(s.messages[-1]["content"] == "pick your target" for s in answers)
+
+
+def test_the_builtin_template_renders_the_tools_list_and_tool_messages() -> None:
+    from backends.local.builtin import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    messages = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": call("add", a=2, b=3)},
+        {"role": "tool", "name": "add", "content": "5"},
+    ]
+    text = tokenizer.apply_chat_template(
+        messages, tools=[TOOLS["add"].schema()], tokenize=False, add_generation_prompt=True
+    )
+    assert text.startswith('<|system|>{"type": "function"'), "tools open the prompt"
+    assert text.endswith("<|im_start|>tool\n5<|im_end|><|assistant|>")
+    plain = tokenizer.apply_chat_template(messages[:1], tokenize=False)
+    assert plain == "<|user|>2+3?<|im_end|>", "no tools, no system message"

@@ -1,0 +1,224 @@
+"""`ToolWorkflow`: the policy answers a task, calling typed Python functions as tools on the way.
+
+Tools are plain functions (sync or async) with type hints; the OpenAI function schema comes from
+the signature (pydantic) and the docstring (first paragraph: the description; an `Args:` section:
+the parameters'). Every call the model writes (format: `workflows.tool_calls`) is validated
+against that schema and run under `tool_timeout_s`; sync tools run in a worker thread. The rule
+this module keeps: a tool that raises, times out, or is called wrongly becomes an error message
+the model reads in its next turn, never a crashed episode. Tool results are `role: tool`
+messages, prompt tokens of the next turn: they never carry loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import re
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, Field, ValidationError, create_model
+
+from unified.types import Task
+from workflows.multi_turn import Environment, MultiTurnWorkflow, Observation
+from workflows.tool_calls import ToolCall, parse_tool_calls, tools_prompt
+
+__all__ = ["Tool", "ToolResult", "ToolWorkflow", "run_tool_calls"]
+
+_ARG_LINE = re.compile(r"^\s*(\w+)\s*(?:\([^)]*\))?\s*:\s*(.+)$")
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call, with its OpenAI schema and an argument validator."""
+
+    name: str
+    description: str
+    fn: Callable[..., Any]
+    arguments: type[BaseModel]
+
+    @classmethod
+    def from_function(cls, fn: Callable[..., Any]) -> Tool:
+        """Declare `fn` as a tool: every parameter needs a type hint; docstring describes it."""
+        signature = inspect.signature(fn)
+        hints = inspect.get_annotations(fn, eval_str=True)
+        description, parameter_docs = _parse_docstring(inspect.getdoc(fn) or "")
+        fields: dict[str, Any] = {}
+        for name, parameter in signature.parameters.items():
+            if name not in hints:
+                raise TypeError(f"tool {fn.__name__}: parameter {name!r} needs a type hint")
+            default = ... if parameter.default is inspect.Parameter.empty else parameter.default
+            fields[name] = (hints[name], Field(default, description=parameter_docs.get(name)))
+        model = create_model(f"{fn.__name__}_arguments", **fields)
+        return cls(name=fn.__name__, description=description, fn=fn, arguments=model)
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI function-tool declaration of this tool."""
+        parameters = self.arguments.model_json_schema()
+        parameters.pop("title", None)
+        for prop in parameters.get("properties", {}).values():
+            prop.pop("title", None)
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": parameters,
+            },
+        }
+
+    async def call(self, arguments: dict[str, Any]) -> str:
+        """Validate `arguments`, run the tool (sync ones in a thread), return its result as text."""
+        values = self.arguments.model_validate(arguments).model_dump()
+        if inspect.iscoroutinefunction(self.fn):
+            result = await self.fn(**values)
+        else:
+            result = await asyncio.to_thread(self.fn, **values)
+        return result if isinstance(result, str) else json.dumps(result, default=str)
+
+
+@functools.lru_cache(maxsize=1024)
+def _declared(fn: Callable[..., Any]) -> Tool:
+    # Building the argument model costs about a millisecond: once per function, not per episode.
+    return Tool.from_function(fn)
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """(description, {parameter: description}) from a Google-style docstring."""
+    paragraphs = doc.split("\n\n")
+    description = " ".join(paragraphs[0].split()) if doc else ""
+    parameters: dict[str, str] = {}
+    in_args = False
+    for line in doc.splitlines():
+        if line.strip() in ("Args:", "Arguments:", "Parameters:"):
+            in_args = True
+        elif in_args and (match := _ARG_LINE.match(line)):
+            parameters[match.group(1)] = match.group(2).strip()
+        elif in_args and line.strip() and not line.startswith((" ", "\t")):
+            in_args = False
+    return description, parameters
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What one call gave: the text the model reads, and whether the call failed."""
+
+    call: ToolCall
+    content: str
+    ok: bool
+
+    def message(self) -> dict[str, Any]:
+        """The `role: tool` message that shows this result to the model."""
+        return {"role": "tool", "name": self.call.name, "content": self.content}
+
+
+async def run_tool_calls(
+    calls: Sequence[ToolCall], tools: dict[str, Tool], timeout_s: float
+) -> list[ToolResult]:
+    """Run `calls` concurrently, each under `timeout_s`; failures come back as error text."""
+    async with asyncio.TaskGroup() as group:
+        running = [group.create_task(_run_one(call, tools, timeout_s)) for call in calls]
+    return [task.result() for task in running]
+
+
+async def _run_one(call: ToolCall, tools: dict[str, Tool], timeout_s: float) -> ToolResult:
+    def failed(reason: str) -> ToolResult:
+        return ToolResult(call, f"error: {reason}", ok=False)
+
+    if call.error is not None:
+        return failed(call.error)
+    tool = tools.get(call.name)
+    if tool is None:
+        return failed(f"unknown tool {call.name!r}; available: {', '.join(sorted(tools))}")
+    try:
+        async with asyncio.timeout(timeout_s):
+            return ToolResult(call, await tool.call(call.arguments), ok=True)
+    except TimeoutError:
+        # A sync tool's thread cannot be stopped; it finishes in the background, unread.
+        return failed(f"tool {call.name!r} timed out after {timeout_s:g} s")
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'arguments'}: {err['msg']}" for err in e.errors()
+        )
+        return failed(f"bad arguments for {call.name!r}: {problems}")
+    except Exception as e:  # the tool's own failure is the model's observation, not a crash
+        return failed(f"{type(e).__name__}: {e}")
+
+
+class ToolWorkflow(MultiTurnWorkflow):
+    """Subclass with `tools`, `messages(task)` and `reward(task, answer)`.
+
+    Each turn the model may call tools (results come back as `role: tool` messages) or answer;
+    the answer (a reply with no tool call) ends the episode and is scored by `reward`, which
+    returns a float or `(reward, correct)`. An episode that reaches `max_turns` still calling
+    tools scores 0. The tools are declared in a system message (`workflows.tool_calls`), so any
+    chat template renders them.
+    """
+
+    tools: ClassVar[Sequence[Callable[..., Any]]] = ()
+    declare_tools: bool = True
+    """Declare the tools in a system message; off for a model that learnt them (a short context)."""
+    tool_timeout_s: float = 10.0
+    max_calls_per_turn: int = 4
+    observation_role = "tool"
+    max_turns = 4
+
+    @abstractmethod
+    def messages(self, task: Task) -> list[dict[str, Any]]:
+        """The opening conversation (the tools' system message is added in front)."""
+
+    @abstractmethod
+    def reward(self, task: Task, answer: str) -> float | tuple[float, bool]:
+        """Score the final answer."""
+
+    def tools_for(self, task: Task) -> Sequence[Callable[..., Any]]:
+        """The tools of an episode of `task`: `tools` unless overridden."""
+        return self.tools
+
+    def environment(self, task: Task) -> Environment:
+        return _ToolEnvironment(self, [_declared(fn) for fn in self.tools_for(task)])
+
+    def step_info(self, env: Environment) -> dict[str, Any]:
+        assert isinstance(env, _ToolEnvironment)
+        return env.last_info
+
+
+class _ToolEnvironment:
+    """A tool-using episode as an environment: calls are run, an answer is scored."""
+
+    def __init__(self, workflow: ToolWorkflow, tools: list[Tool]) -> None:
+        self.workflow = workflow
+        self.tools = {tool.name: tool for tool in tools}
+        self.task: Task | None = None
+        self.last_info: dict[str, Any] = {}
+
+    async def reset(self, task: Task) -> Observation:
+        self.task = task
+        messages = [dict(m) for m in self.workflow.messages(task)]
+        if not (self.tools and self.workflow.declare_tools):
+            return messages
+        declaration = tools_prompt([tool.schema() for tool in self.tools.values()])
+        if messages and messages[0].get("role") == "system":
+            messages[0]["content"] = f"{messages[0]['content']}\n\n{declaration}"
+            return messages
+        return [{"role": "system", "content": declaration}, *messages]
+
+    async def step(self, action: str) -> tuple[Observation, float, bool]:
+        assert self.task is not None, "reset() comes first"
+        calls = parse_tool_calls(action)
+        if not calls:
+            scored = self.workflow.reward(self.task, action)
+            reward, correct = scored if isinstance(scored, tuple) else (scored, scored > 0)
+            self.last_info = {"tool_calls": 0, "correct": correct}
+            return [], reward, True
+        limit = self.workflow.max_calls_per_turn
+        if len(calls) > limit:
+            calls = [*calls[:limit], ToolCall(name="", error=f"at most {limit} calls per turn")]
+        results = await run_tool_calls(calls, self.tools, self.workflow.tool_timeout_s)
+        errors = sum(not result.ok for result in results)
+        self.last_info = {"tool_calls": len(calls), "tool_errors": errors, "correct": False}
+        return [result.message() for result in results], 0.0, False

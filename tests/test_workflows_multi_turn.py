@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 
@@ -85,3 +86,17 @@ def test_a_step_given_a_list_still_copies_it() -> None:
     step = Step(messages=messages, output=one_token_output())
     messages[0]["content"] = "changed"
     assert step.messages == [{"role": "user", "content": "hi"}]
+
+
+async def test_a_200_turn_episode_holds_each_message_once_not_once_per_step() -> None:
+    class Long(Guess):
+        max_turns = 200
+
+    class Unrendered(ScriptedEngine):
+        def encode_chat(self, messages: list[dict[str, Any]], **kw: Any) -> list[int]:
+            return [0]  # the chat template's cost is not what this test is about
+
+    trajectory = await Long().run(TASK, Unrendered(["1"] * 200))
+    held = {id(m) for step in trajectory.steps for m in step.messages}
+    assert len(trajectory.steps) == 200
+    assert len(held) == 2 * 200 - 1, f"steps share one transcript; {len(held)} message objects"

@@ -202,7 +202,9 @@ class Step(_Model):
     rewrites an earlier step.
     """
 
-    messages: list[Message] | Transcript = Field(default_factory=list)
+    # Left to right: a Transcript is taken by an isinstance check; smart mode would also try
+    # the list branch on it, copying every message per step (quadratic in turns).
+    messages: Transcript | list[Message] = Field(default_factory=list, union_mode="left_to_right")
     output: ModelOutput
     reward: float = 0.0
     info: dict[str, Any] = Field(default_factory=dict)

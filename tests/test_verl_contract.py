@@ -24,6 +24,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 from verl.utils.metric import reduce_metrics
 from verl.workers.config import TrainingWorkerConfig
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 from verl.workers.engine_workers import TrainingWorker
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
@@ -42,6 +43,7 @@ SIGNATURES: list[tuple[Callable[..., Any], list[str]]] = [
         ["self", "local_path", "hdfs_path", "global_step", "max_ckpt_to_keep"],
     ),
     (TrainingWorker.load_checkpoint, ["self", "local_path", "hdfs_path", "del_local_after_load"]),
+    (FSDPEngine.get_per_tensor_param, ["self"]),
     (
         RayResourcePool.__init__,
         ["self", "process_on_nodes", "use_gpu", "name_prefix", "max_colocate_count"],

@@ -18,7 +18,7 @@ import math
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -32,7 +32,7 @@ from unified.errors import BackendError, ConfigError
 from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine, Tokenizer
 from unified.types import ModelOutput, SamplingParams, TrajectoryGroup
 
-__all__ = ["LocalBackend", "LocalConfig"]
+__all__ = ["LocalBackend", "LocalConfig", "LocalEngine", "SamplerHost"]
 
 
 class LocalConfig(BaseModel):
@@ -68,10 +68,17 @@ class _Sample:
         self.advantage, self.temperature = adv, temperature
 
 
+class SamplerHost(Protocol):
+    """What `LocalEngine` samples through: a tokenizer and a `BatchingSampler` (local, verl)."""
+
+    tokenizer: Any
+    sampler: BatchingSampler
+
+
 class LocalEngine(RolloutEngine):
     """Chat template + the batching sampler."""
 
-    def __init__(self, backend: LocalBackend) -> None:
+    def __init__(self, backend: SamplerHost) -> None:
         self._backend = backend
 
     @property

@@ -1,0 +1,250 @@
+"""VerlBackend: verl's engine workers (FSDP2 on a Ray worker group) train; a local sampler samples.
+
+Training is verl's: `forward_backward` turns groups into verl's batch rows and stages them;
+`optim_step` runs one `train_mini_batch` on the staged rows (verl's engine does forward, backward
+and the optimizer step in one call, so streamed accumulation is exact: one update per step).
+Sampling is the local backend's `BatchingSampler` on its own copy of the weights (verl's vLLM/
+SGLang servers are not wired in yet, on any device). `on_policy_updated(v)` gathers the trained
+weights from the workers and loads them into the sampler, which waits for the batch it is running:
+the sync waits for running requests, never for workflows. Checkpoints are verl's own layout
+(`global_step_N/actor`, `latest_checkpointed_iteration.txt`) plus the sampler's weights. Every
+blocking call runs in a thread under `verl.call_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from backends.local.backend import LocalEngine
+from backends.local.builtin import is_builtin, load_policy, save_policy
+from backends.local.sampler import BatchingSampler
+from backends.verl.config import (
+    VerlConfig,
+    compose_verl_config,
+    hydra_overrides,
+    parse_verl_config,
+    resolved_device,
+    training_worker_config,
+)
+from backends.verl.convert import Row, groups_to_rows, rows_to_batch
+from backends.verl.worker_group import PolicyGroup
+from unified.config import TrainerConfig
+from unified.errors import BackendError
+from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
+from unified.types import TrajectoryGroup
+
+__all__ = ["VerlBackend"]
+
+T = TypeVar("T")
+
+_TRACKER = "latest_checkpointed_iteration.txt"  # verl's name for the newest global step
+
+# verl's metric names -> ours (docs/backends.md lists the contract).
+_METRICS = {
+    "loss": "train/loss",
+    "actor/ppo_kl": "train/kl_sample_train",
+    "actor/entropy_loss": "train/entropy",
+    "actor/pg_clipfrac": "train/clip_frac",
+    "grad_norm": "train/grad_norm",
+}
+
+
+class VerlBackend(BackendProtocol):
+    """verl's FSDP2 training workers on Ray, with the local sampler holding the synced weights."""
+
+    name: ClassVar[str] = "verl"
+    capabilities = BackendCapabilities(
+        losses=frozenset({"ppo", "cispo", "importance_sampling"}),
+        kl_penalty=False,
+    )
+
+    def __init__(self) -> None:
+        self.settings = VerlConfig()
+        self._group: PolicyGroup | None = None
+        self._pending: list[Row] = []
+        self._lr: float | None = None
+        self.steps = 0
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    async def setup(self, config: TrainerConfig) -> None:
+        self.settings = parse_verl_config(config)
+        self.config = config
+        self._lr = config.trainer.lr
+        self.device = resolved_device(self.settings)
+        self.model_dir = await asyncio.to_thread(self._model_directory, config)
+        model, self.tokenizer = await asyncio.to_thread(load_policy, str(self.model_dir))
+        if self.device == "cuda":
+            model = model.to("cuda")
+        self.sampler = BatchingSampler(model, self.tokenizer, max_batch=self.settings.max_batch)
+        overrides = hydra_overrides(config, self.settings, self.model_dir)
+        composed = await asyncio.to_thread(compose_verl_config, overrides)
+        await asyncio.to_thread(self._record, config, composed)
+        worker_config, actor_config = training_worker_config(composed)
+        self._group = PolicyGroup(
+            worker_config,
+            actor_config,
+            num_workers=self.settings.num_workers,
+            device=self.device,
+            ray_address=self.settings.ray_address,
+        )
+        await self._call("start the verl worker group", self._group.start)
+
+    def _model_directory(self, config: TrainerConfig) -> Path:
+        """A local model directory verl can load: built-in models are written into the run."""
+        if not is_builtin(config.model):
+            return Path(config.model)
+        directory = config.run_path / "verl" / config.model.replace(":", "-")
+        if not (directory / "config.json").exists():
+            save_policy(*load_policy(config.model), directory)
+        return directory
+
+    def _record(self, config: TrainerConfig, composed: Any) -> None:
+        from omegaconf import OmegaConf
+
+        target = config.run_path / "verl" / "verl_config.yaml"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(OmegaConf.to_yaml(composed))
+
+    def rollout_engine(self) -> RolloutEngine:
+        return LocalEngine(self)
+
+    def set_learning_rate(self, lr: float) -> None:
+        self._lr = lr
+
+    @property
+    def group(self) -> PolicyGroup:
+        """The running worker group."""
+        if self._group is None:
+            raise BackendError("the verl backend is not set up; call setup() first")
+        return self._group
+
+    # -- training -----------------------------------------------------------------------------
+
+    async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        rows = await asyncio.to_thread(groups_to_rows, groups)
+        self._pending += rows
+        return {}
+
+    async def optim_step(self) -> dict[str, float]:
+        rows, self._pending = self._pending, []
+        self.steps += 1
+        if not rows:
+            return {"train/grad_norm": 0.0}
+        micro, multiple = self.group.batch_multiple(len(rows), self.settings.micro_batch_size)
+        pad = self.tokenizer.pad_token_id or 0
+        batch = await asyncio.to_thread(rows_to_batch, rows, pad_token_id=pad, multiple=multiple)
+        lr = self._lr if self._lr is not None else self.config.trainer.lr
+        metrics = await self._call(
+            "a training step",
+            self.group.train,
+            batch,
+            lr=lr,
+            temperature=self._temperature(rows),
+            micro_batch=micro,
+        )
+        if not math.isfinite(metrics.get("grad_norm", 0.0)):
+            raise BackendError(f"gradient norm is {metrics['grad_norm']}; lower trainer.lr")
+        return {ours: metrics[theirs] for theirs, ours in _METRICS.items() if theirs in metrics}
+
+    def _temperature(self, rows: list[Row]) -> float:
+        """The one temperature the rows were sampled at (greedy scores at 1)."""
+        found = {r.temperature for r in rows} - {None}
+        if len(found) > 1:
+            raise BackendError(f"one verl batch mixes sampling temperatures {sorted(found)}")
+        temperature = found.pop() if found else self.config.sampling.train.temperature
+        return temperature if temperature and temperature > 0 else 1.0
+
+    async def score(self, groups: list[TrajectoryGroup]) -> list[list[float]]:
+        """The workers' log-probs of every row's model tokens (verl's `compute_log_prob`)."""
+        rows = groups_to_rows(groups)
+        micro, multiple = self.group.batch_multiple(len(rows), self.settings.micro_batch_size)
+        pad = self.tokenizer.pad_token_id or 0
+        batch = await asyncio.to_thread(rows_to_batch, rows, pad_token_id=pad, multiple=multiple)
+        logprobs_BR = await self._call(
+            "scoring",
+            self.group.compute_logprobs,
+            batch,
+            temperature=self._temperature(rows),
+            micro_batch=micro,
+        )
+        mask_BR = batch.batch["response_mask"].bool()
+        return [logprobs_BR[b][mask_BR[b]].tolist() for b in range(len(rows))]
+
+    # -- weight sync --------------------------------------------------------------------------
+
+    async def on_policy_updated(self, version: int) -> None:
+        weights = await self._call("gathering the trained weights", self.group.export_weights)
+        # load_weights holds the sampler's lock: it waits for the batch running now, if any.
+        await asyncio.to_thread(self.sampler.load_weights, weights, version)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    async def save_checkpoint(self, directory: Path) -> None:
+        await self.sampler.wait_idle()
+        actor = directory / f"global_step_{self.steps}" / "actor"
+        await asyncio.to_thread(actor.mkdir, parents=True, exist_ok=True)
+        await self._call(
+            "saving a verl checkpoint",
+            self.group.save_checkpoint,
+            actor,
+            step=self.steps,
+            max_keep=self.settings.max_ckpt_to_keep,
+        )
+        await asyncio.to_thread(self._save_sampler, directory)
+
+    def _save_sampler(self, directory: Path) -> None:
+        (directory / _TRACKER).write_text(str(self.steps))
+        state = self.sampler.model.state_dict()
+        # Clones: safetensors refuses tensors that share storage (tied embeddings do).
+        weights = {k: v.detach().cpu().clone().contiguous() for k, v in state.items()}
+        save_file(weights, directory / "sampler.safetensors")
+        meta = {"sampler_version": self.sampler.version, "steps": self.steps}
+        (directory / "backend.json").write_text(json.dumps(meta))
+
+    async def load_checkpoint(self, directory: Path) -> None:
+        await self.sampler.wait_idle()
+        tracker = directory / _TRACKER
+        if not tracker.exists():
+            raise BackendError(f"{directory} holds no verl checkpoint ({_TRACKER} is missing)")
+        steps = int(tracker.read_text().strip())
+        actor = directory / f"global_step_{steps}" / "actor"
+        await self._call("loading a verl checkpoint", self.group.load_checkpoint, actor)
+        meta = json.loads((directory / "backend.json").read_text())
+        weights = await asyncio.to_thread(load_file, directory / "sampler.safetensors")
+        await asyncio.to_thread(self.sampler.load_weights, weights, meta["sampler_version"])
+        self.steps = steps
+
+    async def export_model(self, directory: Path) -> None:
+        """Write the trained policy as a Hugging Face model directory."""
+        weights = await self._call("gathering the trained weights", self.group.export_weights)
+        await asyncio.to_thread(self._export, weights, directory)
+
+    def _export(self, weights: dict[str, torch.Tensor], directory: Path) -> None:
+        model, tokenizer = load_policy(str(self.model_dir))
+        model.load_state_dict(weights)
+        save_policy(model, tokenizer, directory)
+
+    async def shutdown(self) -> None:
+        if hasattr(self, "sampler"):
+            await self.sampler.wait_idle()
+        if self._group is not None:
+            group, self._group = self._group, None
+            await self._call("stopping the verl worker group", group.shutdown)
+
+    async def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a blocking worker-group call in a thread, within `verl.call_timeout_s`."""
+        limit = self.settings.call_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                return await asyncio.to_thread(fn, *args, **kwargs)
+        except TimeoutError as e:
+            raise BackendError(f"verl backend: {what} took more than {limit:g} s") from e

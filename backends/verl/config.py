@@ -1,0 +1,260 @@
+"""Our run config in verl's terms: the `verl:` section, Hydra overrides, verl's own validation.
+
+`hydra_overrides` translates the keys we own (model, batch, loss, optimizer, placement) into
+dotted overrides of verl's `ppo_trainer` config; `verl.extra_overrides` appends anything else
+verbatim. `compose_verl_config` composes them with verl's Hydra config tree and runs verl's
+`validate_config`, so a run that starts is one verl accepts. A key verl no longer has (removed or
+renamed upstream) is a `ConfigError` naming the key, with the known replacement when there is one.
+`training_worker_config` builds the `TrainingWorkerConfig` of verl's engine workers from it, as
+`ActorRolloutRefWorker.init_model` does.
+
+The async-mode keys (`trainer.v1.*`) say our loop in verl's words: verl validates them and the
+composed config records them; unified's coordinator, not verl's trainer, enforces the staleness.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from backends.verl.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from unified.config import TrainerConfig
+from unified.errors import CapabilityError, ConfigError
+
+__all__ = [
+    "RENAMED_KEYS",
+    "VerlConfig",
+    "compose_verl_config",
+    "hydra_overrides",
+    "parse_verl_config",
+    "training_worker_config",
+]
+
+VERL_VERSION = "0.9.1"
+
+# verl keys that existed in earlier releases: what became of them.
+RENAMED_KEYS: dict[str, str] = {
+    "use_legacy_worker_impl": "removed in verl 0.9 (the engine workers are the only workers)",
+    "actor_rollout_ref.rollout.mode": "verl 0.9 rollout is async server mode only",
+    "actor_rollout_ref.actor.ppo_micro_batch_size": (
+        "use actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (our verl.micro_batch_size)"
+    ),
+    "critic.ppo_micro_batch_size": "use critic.ppo_micro_batch_size_per_gpu",
+}
+
+
+class VerlConfig(BaseModel):
+    """`verl:` — settings of the verl backend (the rest of the run comes from the shared keys)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster to join ('auto' or host:port, after `ray start` on each node); "
+        "null starts a private Ray on 127.0.0.1.",
+    )
+    num_workers: int = Field(2, ge=1, description="Training worker processes (data parallel).")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the workers train: cuda when a GPU is visible, else cpu."
+    )
+    strategy: Literal["fsdp2", "fsdp"] = Field("fsdp2", description="verl's FSDP engine version.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward pass per worker.")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
+        "token_mean", description="How token losses aggregate (verl's loss_agg_mode)."
+    )
+    dual_clip_ratio: float | None = Field(
+        None, gt=1, description="verl's dual-clip bound for negative advantages (null: off)."
+    )
+    param_dtype: Literal["fp32", "bf16"] | None = Field(
+        None, description="FSDP compute dtype (default: fp32 on cpu, verl's bf16 on cuda)."
+    )
+    attn_implementation: str = Field("sdpa", description="Hugging Face attention kernel.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    max_batch: int = Field(64, ge=1, description="Most requests the local sampler batches.")
+    call_timeout_s: float = Field(
+        1800.0, gt=0, description="Seconds one worker-group call may take before it fails."
+    )
+    max_ckpt_to_keep: int | None = Field(
+        None, ge=1, description="verl checkpoints kept inside one run checkpoint (null: all)."
+    )
+    extra_overrides: list[str] = Field(
+        default_factory=list,
+        description="Hydra overrides of verl's ppo_trainer config, applied last (key=value).",
+    )
+
+
+def parse_verl_config(config: TrainerConfig) -> VerlConfig:
+    """The `verl:` section, validated; errors name the dotted key."""
+    try:
+        return VerlConfig.model_validate(config.verl)
+    except ValidationError as e:
+        first = e.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"config key 'verl.{key}': {first['msg']}") from None
+
+
+def resolved_device(settings: VerlConfig) -> Literal["cpu", "cuda"]:
+    """The device the workers train on."""
+    if settings.device != "auto":
+        return settings.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def hydra_overrides(config: TrainerConfig, settings: VerlConfig, model_dir: Path) -> list[str]:
+    """Dotted overrides of verl's `ppo_trainer` config that describe this run."""
+    t = config.trainer
+    loss = POLICY_LOSSES.get(t.loss)
+    if loss is None:
+        supported = ", ".join(sorted(POLICY_LOSSES))
+        raise CapabilityError(
+            f"trainer.loss={t.loss!r} is not supported by backend 'verl'; it supports: {supported}"
+        )
+    device = resolved_device(settings)
+    dtype = settings.param_dtype or ("fp32" if device == "cpu" else "bf16")
+    actor = {
+        "strategy": settings.strategy,
+        "ppo_mini_batch_size": t.batch_size,
+        "ppo_micro_batch_size_per_gpu": settings.micro_batch_size,
+        "use_dynamic_bsz": False,
+        "ppo_epochs": 1,
+        "shuffle": False,
+        "data_loader_seed": t.seed,
+        "loss_agg_mode": LOSS_AGGREGATIONS[settings.loss_agg],
+        "entropy_coeff": t.entropy_coef,
+        "calculate_entropy": True,
+        "use_kl_loss": False,
+        "use_torch_compile": device == "cuda",
+        "fsdp_config.use_torch_compile": device == "cuda",
+        "optim.lr": t.lr,
+        "optim.weight_decay": settings.weight_decay,
+        "optim.betas": f"[{settings.betas[0]},{settings.betas[1]}]",
+        "optim.clip_grad": settings.max_grad_norm,
+        "optim.total_training_steps": t.total_steps,
+        "checkpoint.save_contents": "[model,optimizer,extra]",
+        **loss.actor_settings(t.clip_ratio, settings.dual_clip_ratio),
+    }
+    overrides = [
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        f"+actor_rollout_ref.model.override_config.attn_implementation={settings.attn_implementation}",
+        *(f"actor_rollout_ref.actor.{key}={value}" for key, value in actor.items()),
+        f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={{param_dtype:{dtype},"
+        f"reduce_dtype:fp32,buffer_dtype:fp32}}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={settings.micro_batch_size}",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False",
+        f"actor_rollout_ref.rollout.n={t.group_size}",
+        # verl's validation wants a rollout engine name; ours samples with the local sampler.
+        "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.rollout.temperature={config.sampling.train.temperature}",
+        f"actor_rollout_ref.rollout.top_p={config.sampling.train.top_p}",
+        f"actor_rollout_ref.rollout.response_length={config.sampling.train.max_tokens}",
+        "algorithm.rollout_correction.bypass_mode=True",
+        # Advantages come from the trainer (unified.advantages); no value model.
+        "critic.enable=False",
+        f"data.train_batch_size={t.batch_size}",
+        "trainer.nnodes=1",
+        f"trainer.n_gpus_per_node={settings.num_workers}",
+        f"trainer.device={device}",
+        "trainer.logger=[console]",
+        "trainer.project_name=unified",
+        f"trainer.experiment_name={config.name}",
+        f"trainer.total_training_steps={t.total_steps}",
+        f"trainer.save_freq={t.save_every or -1}",
+        "trainer.val_before_train=False",
+    ]
+    estimator = ADVANTAGE_ESTIMATORS[t.advantage]
+    if estimator is not None:
+        name, kwargs = estimator
+        overrides.append(f"algorithm.adv_estimator={name}")
+        overrides += [f"algorithm.{key}={value}" for key, value in kwargs.items()]
+    if config.mode == "async":
+        overrides += [
+            "trainer.v1.trainer_mode=colocate_async",
+            f"trainer.v1.sampler.max_off_policy_threshold={config.async_.max_staleness}",
+            "trainer.v1.sampler.max_off_policy_strategy=wait",
+        ]
+    return overrides + list(settings.extra_overrides)
+
+
+def compose_verl_config(overrides: list[str]) -> Any:
+    """verl's `ppo_trainer` config with `overrides`, resolved and validated by verl itself."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    if verl.__version__ != VERL_VERSION:
+        raise ConfigError(
+            f"the verl backend is built for verl {VERL_VERSION}, found {verl.__version__}; "
+            f"pip install 'verl=={VERL_VERSION}'"
+        )
+    for item in overrides:
+        _refuse_renamed(item)
+    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            composed = compose("ppo_trainer", overrides=overrides)
+    except ConfigCompositionException as e:
+        raise ConfigError(f"verl {VERL_VERSION} rejects an override: {_one_line(e)}") from e
+    OmegaConf.resolve(composed)
+    try:
+        validate_config(
+            composed,
+            use_reference_policy=need_reference_policy(composed),
+            use_critic=need_critic(composed),
+        )
+    except (AssertionError, ValueError) as e:
+        raise ConfigError(f"verl's config validation failed: {e}") from e
+    return composed
+
+
+def _one_line(error: Exception) -> str:
+    """Hydra's multi-line message as one line, led by the key it names."""
+    text = str(error.__cause__ or error)
+    key = re.search(r"full_key: (\S+)", text)
+    first = text.strip().splitlines()[0]
+    return f"{key.group(1)}: {first}" if key else first
+
+
+def _refuse_renamed(override: str) -> None:
+    key = override.split("=", 1)[0].lstrip("+~")
+    for old, fate in RENAMED_KEYS.items():
+        if key == old or key.endswith("." + old):
+            raise ConfigError(f"verl key {key!r} is not in verl {VERL_VERSION}: {fate}")
+
+
+def training_worker_config(composed: Any) -> tuple[Any, Any]:
+    """(`TrainingWorkerConfig`, actor config) for the policy, as verl's actor worker builds them."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import TrainingWorkerConfig
+
+    section = composed.actor_rollout_ref
+    model_config = omega_conf_to_dataclass(section.model)
+    actor_config = omega_conf_to_dataclass(section.actor)
+    actor_config.model_config = model_config
+    worker_config = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=model_config,
+        engine_config=actor_config.engine,
+        optimizer_config=actor_config.optim,
+        checkpoint_config=actor_config.checkpoint,
+        profiler_config=None,
+    )
+    engine = worker_config.engine_config
+    engine.use_dynamic_bsz = section.actor.use_dynamic_bsz
+    engine.infer_max_token_len_per_gpu = section.rollout.log_prob_max_token_len_per_gpu
+    engine.infer_micro_batch_size_per_gpu = section.rollout.log_prob_micro_batch_size_per_gpu
+    engine.max_token_len_per_gpu = section.actor.ppo_max_token_len_per_gpu
+    engine.micro_batch_size_per_gpu = section.actor.ppo_micro_batch_size_per_gpu
+    engine.use_remove_padding = model_config.get("use_remove_padding", False)
+    return worker_config, actor_config

@@ -1,0 +1,185 @@
+"""Trajectory groups -> verl's batch: the padded `DataProto`, and the no-padding form of workers.
+
+One row per trajectory. A multi-turn trajectory whose every step's prompt extends the previous
+step's prompt and completion becomes one row: the first prompt, then a response that interleaves
+model tokens (`response_mask` 1) with the tool/environment/template tokens between model calls
+(`response_mask` 0); a step that does not extend its predecessor starts a new row. The layout is
+that of verl's agent loops (`AgentLoopWorker._postprocess`):
+
+- `prompts` [B, P] left-padded; `responses`, `response_mask` [B, R] right-padded;
+- `input_ids` = prompts ++ responses, `attention_mask`, `position_ids` = cumsum(mask) - 1 [B, P+R];
+- `old_log_probs` = `rollout_log_probs`: the sampler's log-probs, 0 where `response_mask` is 0;
+- `advantages` [B, R]: the episode's advantage on model tokens; `token_level_rewards` [B, R]: the
+  trajectory's reward on its last response token (what verl's estimators read);
+- non-tensor `uid` (the group: verl's estimators group rows by it) and `task_id`.
+
+Invariant: rows added to split evenly over data-parallel ranks and micro-batches copy a real row
+with `response_mask` and `advantages` zeroed, so they carry no loss and no gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from verl import DataProto
+from verl.protocol import pad_dataproto_to_divisor
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.padding import left_right_2_no_padding
+
+from unified.errors import BackendError
+from unified.types import TrajectoryGroup
+
+__all__ = [
+    "Row",
+    "groups_to_batch",
+    "groups_to_rows",
+    "micro_batch_rows",
+    "rows_to_batch",
+    "to_no_padding",
+]
+
+
+@dataclass
+class Row:
+    """One sequence of the batch before padding: a prompt and a response with its per-token data."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    advantage: float = 0.0
+    reward: float = 0.0
+    uid: str = ""
+    task_id: str = ""
+    temperature: float | None = None
+
+    def extend(
+        self, prompt_ids: Sequence[int], completion: Sequence[int], lp: Sequence[float]
+    ) -> bool:
+        """Append a later model call if its prompt extends this row; False if it does not."""
+        sequence = self.prompt_ids + self.response_ids
+        if len(prompt_ids) < len(sequence) or list(prompt_ids[: len(sequence)]) != sequence:
+            return False
+        between = list(prompt_ids[len(sequence) :])
+        self.response_ids += between + list(completion)
+        self.response_mask += [0] * len(between) + [1] * len(completion)
+        self.logprobs += [0.0] * len(between) + list(lp)
+        return True
+
+
+def groups_to_rows(groups: Sequence[TrajectoryGroup]) -> list[Row]:
+    """The rows of `groups`, in group, episode, trajectory and step order."""
+    rows: list[Row] = []
+    for group in groups:
+        uid = group.group_id or group.task_id
+        for episode, advantage in zip(group.episodes, group.advantages, strict=True):
+            for trajectory in episode.trajectories:
+                row: Row | None = None
+                for step in trajectory.steps:
+                    out = step.output
+                    if not out.completion_ids:
+                        continue
+                    if row is None or not row.extend(
+                        out.prompt_ids, out.completion_ids, out.logprobs
+                    ):
+                        row = Row(
+                            prompt_ids=list(out.prompt_ids),
+                            response_ids=list(out.completion_ids),
+                            response_mask=[1] * len(out.completion_ids),
+                            logprobs=list(out.logprobs),
+                            advantage=advantage,
+                            reward=trajectory.reward,
+                            uid=uid,
+                            task_id=group.task_id,
+                            temperature=out.temperature,
+                        )
+                        rows.append(row)
+    return rows
+
+
+def rows_to_batch(rows: Sequence[Row], *, pad_token_id: int, multiple: int = 1) -> DataProto:
+    """Pad `rows` into verl's batch layout, with loss-free rows up to a multiple of `multiple`.
+
+    verl splits the rows evenly over the data-parallel ranks and each rank's share into equal
+    micro-batches: `multiple` is (data-parallel size) x (rows per micro-batch).
+    """
+    if not rows:
+        raise BackendError("no trainable rows: every step of these groups has an empty completion")
+    if any(not r.prompt_ids for r in rows):
+        raise BackendError("a step has an empty prompt; verl cannot score its first token")
+    B = len(rows)
+    P = max(len(r.prompt_ids) for r in rows)
+    R = max(len(r.response_ids) for r in rows)
+    prompts_BP = torch.full((B, P), pad_token_id, dtype=torch.long)
+    prompt_mask_BP = torch.zeros(B, P, dtype=torch.long)
+    responses_BR = torch.full((B, R), pad_token_id, dtype=torch.long)
+    response_valid_BR = torch.zeros(B, R, dtype=torch.long)
+    response_mask_BR = torch.zeros(B, R, dtype=torch.long)
+    logprobs_BR = torch.zeros(B, R, dtype=torch.float32)
+    advantages_BR = torch.zeros(B, R, dtype=torch.float32)
+    rewards_BR = torch.zeros(B, R, dtype=torch.float32)
+    for b, row in enumerate(rows):
+        p, n = len(row.prompt_ids), len(row.response_ids)
+        prompts_BP[b, P - p :] = torch.tensor(row.prompt_ids)
+        prompt_mask_BP[b, P - p :] = 1
+        responses_BR[b, :n] = torch.tensor(row.response_ids)
+        response_valid_BR[b, :n] = 1
+        mask = torch.tensor(row.response_mask)
+        response_mask_BR[b, :n] = mask
+        logprobs_BR[b, :n] = torch.tensor(row.logprobs) * mask
+        advantages_BR[b, :n] = row.advantage * mask
+        rewards_BR[b, n - 1] = row.reward
+    attention_mask = torch.cat([prompt_mask_BP, response_valid_BR], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    batch = DataProto.from_dict(
+        tensors={
+            "prompts": prompts_BP,
+            "responses": responses_BR,
+            "response_mask": response_mask_BR,
+            "input_ids": torch.cat([prompts_BP, responses_BR], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "rollout_log_probs": logprobs_BR,
+            "old_log_probs": logprobs_BR.clone(),
+            "advantages": advantages_BR,
+            "token_level_rewards": rewards_BR,
+        },
+        non_tensors={
+            "uid": np.array([r.uid for r in rows], dtype=object),
+            "task_id": np.array([r.task_id for r in rows], dtype=object),
+        },
+    )
+    padded, pad_size = pad_dataproto_to_divisor(batch, multiple)
+    if pad_size:
+        for key in ("response_mask", "advantages", "token_level_rewards"):
+            padded.batch[key][B:] = 0
+    padded.meta_info["real_rows"] = B
+    return padded
+
+
+def groups_to_batch(
+    groups: Sequence[TrajectoryGroup], *, pad_token_id: int, multiple: int = 1
+) -> DataProto:
+    """verl's padded batch for `groups` (rows as in `groups_to_rows`)."""
+    return rows_to_batch(groups_to_rows(groups), pad_token_id=pad_token_id, multiple=multiple)
+
+
+def micro_batch_rows(rows: int, dp_size: int, most: int) -> int:
+    """Rows per micro-batch for `rows` over `dp_size` ranks: `most`, or fewer for a small batch."""
+    return max(1, min(most, -(-rows // dp_size)))
+
+
+def to_no_padding(batch: DataProto, **non_tensors: object) -> TensorDict:
+    """The no-padding (nested) TensorDict verl's engine workers take, with `non_tensors` set.
+
+    As verl's trainer does before `infer_batch`/`train_mini_batch`: `to_tensordict`, then
+    `left_right_2_no_padding` (nested `input_ids`/`position_ids`, `loss_mask` = `response_mask`).
+    """
+    td = left_right_2_no_padding(batch.to_tensordict())
+    if non_tensors:
+        tu.assign_non_tensor(td, **non_tensors)
+    return td

@@ -1,0 +1,201 @@
+"""The driver's handle on the policy workers: Ray, verl's `RayWorkerGroup`, and its calls.
+
+`PolicyGroup.start` joins a Ray cluster (or starts a private one on 127.0.0.1), places one
+`PolicyWorker` per data-parallel rank with verl's `RayResourcePool`/`RayWorkerGroup`, builds the
+FSDP engine (`reset`) and installs verl's `ppo_loss`. Its calls follow verl's trainer
+(`RayPPOTrainer._compute_old_log_prob` / `_update_actor`): padded `DataProto` -> no-padding
+TensorDict -> worker call -> padded results. Every call blocks: the backend runs them in a thread.
+`shutdown` stops only what `start` started.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from verl import DataProto
+
+from backends.verl.convert import micro_batch_rows, to_no_padding
+from unified.errors import BackendError
+
+__all__ = ["PolicyGroup"]
+
+
+class PolicyGroup:
+    """A Ray worker group of `PolicyWorker`s training one policy (data parallel over workers)."""
+
+    def __init__(
+        self,
+        worker_config: Any,
+        actor_config: Any,
+        *,
+        num_workers: int,
+        device: str,
+        ray_address: str | None,
+    ) -> None:
+        self.worker_config = worker_config
+        self.actor_config = actor_config
+        self.num_workers = num_workers
+        self.device = device
+        self.ray_address = ray_address
+        self._group: Any = None
+        self._started_ray = False
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start (or join) Ray, place the workers, build their engines and loss."""
+        import ray
+        from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        from verl.workers.utils.losses import ppo_loss
+
+        from backends.verl.worker import PolicyWorker
+
+        env = self._worker_environment()
+        if self.device == "cpu":
+            # The driver places the workers through verl's platform too (Ray resource "CPU").
+            from verl.plugin.platform import set_platform
+
+            from backends.verl.cpu_platform import CPUPlatform
+
+            set_platform(CPUPlatform())
+        if not ray.is_initialized():
+            if self.ray_address is None:
+                cpus = max(self.num_workers, os.cpu_count() or 1)
+                ray.init(
+                    num_cpus=cpus,
+                    num_gpus=0 if self.device == "cpu" else None,
+                    include_dashboard=False,
+                    _node_ip_address="127.0.0.1",
+                    log_to_driver=False,
+                    runtime_env={"env_vars": env},
+                )
+            else:
+                ray.init(address=self.ray_address, runtime_env={"env_vars": env})
+            self._started_ray = True
+        pool = RayResourcePool(
+            process_on_nodes=[self.num_workers],
+            use_gpu=self.device == "cuda",
+            max_colocate_count=1,
+        )
+        worker = RayClassWithInitArgs(ray.remote(PolicyWorker), config=self.worker_config)
+        self._group = RayWorkerGroup(
+            resource_pool=pool,
+            ray_cls_with_init=worker,
+            device_name=self.device,
+            worker_env=env,
+        )
+        self._group.reset()
+        self._group.set_loss_fn(partial(ppo_loss, config=self.actor_config))
+
+    def _worker_environment(self) -> dict[str, str]:
+        env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if self.device == "cpu":
+            from backends.verl.cpu_platform import cpu_environment
+
+            threads = max(1, (os.cpu_count() or 1) // self.num_workers)
+            env |= cpu_environment() | {"OMP_NUM_THREADS": str(threads)}
+        return env
+
+    def shutdown(self) -> None:
+        """Stop the workers, and Ray if `start` started it."""
+        import ray
+
+        if self._group is not None:
+            for handle in self._group.workers:
+                ray.kill(handle)
+            self._group = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+    @property
+    def group(self) -> Any:
+        """verl's `RayWorkerGroup` (raises if `start` has not run)."""
+        if self._group is None:
+            raise BackendError("the verl worker group is not running; call setup() first")
+        return self._group
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    def batch_multiple(self, rows: int, most_per_micro_batch: int) -> tuple[int, int]:
+        """(rows per micro-batch, the multiple a batch of `rows` is padded to)."""
+        micro = micro_batch_rows(rows, self.num_workers, most_per_micro_batch)
+        return micro, micro * self.num_workers
+
+    def compute_logprobs(
+        self, batch: DataProto, *, temperature: float, micro_batch: int
+    ) -> torch.Tensor:
+        """The workers' log-probs of every response token [B, R] (verl's `compute_log_prob`)."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        td = to_no_padding(
+            batch,
+            calculate_entropy=False,
+            compute_loss=False,
+            temperature=temperature,
+            micro_batch_size_per_gpu=micro_batch,
+        )
+        output = self.group.infer_batch(td).get()
+        logprobs = no_padding_2_padding(tu.get(output, "log_probs"), td)
+        return logprobs.float().cpu()
+
+    def train(
+        self, batch: DataProto, *, lr: float, temperature: float, micro_batch: int
+    ) -> dict[str, float]:
+        """One optimizer step on `batch` (verl's `update_actor`); verl's metrics, reduced."""
+        from verl.utils import tensordict_utils as tu
+
+        rows = len(batch)
+        real_rows = int(batch.meta_info.get("real_rows", rows))
+        td = to_no_padding(
+            batch,
+            calculate_entropy=True,
+            distillation_use_topk=False,
+            distillation_only=False,
+            # One mini-batch: the whole step is one optimizer update, like every backend.
+            global_batch_size=real_rows,
+            mini_batch_size=rows,
+            epochs=1,
+            seed=int(self.actor_config.data_loader_seed),
+            dataloader_kwargs={"shuffle": False},
+            compute_loss=True,
+            temperature=temperature,
+            learning_rate=lr,
+            micro_batch_size_per_gpu=micro_batch,
+        )
+        output = self.group.train_step(td).get()
+        return _reduce(tu.get(output, "metrics"))
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The full trained weights (gathered from the shards), as CPU tensors."""
+        results = self.group.export_weights()
+        weights = next((r for r in results if r is not None), None)
+        if weights is None:
+            raise BackendError("no verl worker returned the exported weights")
+        return weights  # type: ignore[no-any-return]
+
+    def save_checkpoint(self, directory: Path, *, step: int, max_keep: int | None) -> None:
+        """verl's checkpoint of model, optimizer and RNG shards into `directory` (every rank)."""
+        self.group.save_checkpoint(str(directory), None, step, max_keep)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Restore what `save_checkpoint` wrote into `directory`."""
+        self.group.load_checkpoint(str(directory), None, False)
+
+
+def _reduce(metrics: dict[str, Any]) -> dict[str, float]:
+    """verl's per-micro-batch metric lists as floats (verl's own `reduce_metrics`)."""
+    from verl.utils.metric import reduce_metrics
+
+    reduced = reduce_metrics(dict(metrics))
+    return {
+        key: float(np.asarray(value, dtype=np.float64).mean())
+        for key, value in reduced.items()
+        if np.isscalar(value) or isinstance(value, np.ndarray | float | int | torch.Tensor)
+    }

@@ -1,0 +1,91 @@
+"""verl backend, config: our config becomes a verl Hydra config that verl itself validates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.local.builtin import load_policy, save_policy
+from backends.verl.config import (
+    compose_verl_config,
+    hydra_overrides,
+    parse_verl_config,
+    training_worker_config,
+)
+from unified.config import TrainerConfig, load_config
+from unified.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("verl-config") / "tiny"
+    save_policy(*load_policy("builtin:tiny"), directory)
+    return directory
+
+
+def run_config(**sections: Any) -> TrainerConfig:
+    base: dict[str, Any] = {
+        "workflow": "examples.countdown.workflow:CountdownWorkflow",
+        "backend": "verl",
+        "trainer": {"batch_size": 4, "group_size": 3, "lr": 2e-4, "loss": "ppo"},
+    }
+    return load_config(base | sections)
+
+
+def composed(config: TrainerConfig, model_dir: Path) -> Any:
+    return compose_verl_config(hydra_overrides(config, parse_verl_config(config), model_dir))
+
+
+def test_sync_config_translates_to_a_validated_verl_config(model_dir: Path) -> None:
+    verl_config = composed(run_config(mode="sync"), model_dir)
+    actor = verl_config.actor_rollout_ref.actor
+    assert actor.ppo_mini_batch_size == 4, "one optimizer step per trainer step"
+    assert verl_config.actor_rollout_ref.rollout.n == 3, "group_size is verl's rollout.n"
+    assert actor.optim.lr == pytest.approx(2e-4)
+    assert actor.policy_loss.loss_mode == "vanilla"
+    assert verl_config.actor_rollout_ref.model.path == str(model_dir)
+    assert verl_config.trainer.device == "cpu", "no GPU here: the workers train on CPU"
+    worker_config, actor_config = training_worker_config(verl_config)
+    assert worker_config.engine_config.micro_batch_size_per_gpu == 8
+    assert actor_config.clip_ratio_c > 1e8, "verl's dual clip is off, like the local backend"
+
+
+def test_async_config_states_the_staleness_bound_in_verls_terms(model_dir: Path) -> None:
+    config = run_config(mode="async", **{"async": {"max_staleness": 2}})
+    v1 = composed(config, model_dir).trainer.v1
+    assert v1.trainer_mode == "colocate_async"
+    assert v1.sampler.max_off_policy_threshold == 2
+
+
+def test_extra_overrides_apply_last(model_dir: Path) -> None:
+    config = run_config(
+        verl={"extra_overrides": ["actor_rollout_ref.actor.optim.weight_decay=0.3"]}
+    )
+    assert composed(config, model_dir).actor_rollout_ref.actor.optim.weight_decay == 0.3
+
+
+def test_a_key_verl_removed_is_refused_with_what_became_of_it(model_dir: Path) -> None:
+    config = run_config(verl={"extra_overrides": ["trainer.use_legacy_worker_impl=disable"]})
+    with pytest.raises(ConfigError, match=r"use_legacy_worker_impl.*removed in verl 0\.9"):
+        composed(config, model_dir)
+
+
+def test_a_key_verl_does_not_know_is_one_line_naming_it(model_dir: Path) -> None:
+    config = run_config(verl={"extra_overrides": ["actor_rollout_ref.actor.no_such_knob=1"]})
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.no_such_knob") as caught:
+        composed(config, model_dir)
+    assert "\n" not in str(caught.value), "one line"
+
+
+def test_verls_own_validation_runs(model_dir: Path) -> None:
+    # verl requires the mini-batch to divide the train batch.
+    config = run_config(verl={"extra_overrides": ["data.train_batch_size=3"]})
+    with pytest.raises(ConfigError, match="verl's config validation failed"):
+        composed(config, model_dir)
+
+
+def test_a_misspelt_verl_section_key_names_it() -> None:
+    with pytest.raises(ConfigError, match=r"verl\.num_worker"):
+        parse_verl_config(run_config(verl={"num_worker": 2}))

@@ -19,7 +19,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from examples.countdown.prepare import ensure_warmstart
 from unified.config import load_config
 from unified.trainer import UnifiedTrainer
 
@@ -39,7 +38,6 @@ def run(mode: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
             *args.overrides,
         ],
     )
-    ensure_warmstart(config.model)
     result = UnifiedTrainer(config).fit()
     rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     elapsed, curve = 0.0, []

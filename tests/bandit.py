@@ -121,9 +121,11 @@ class BanditBackend(BackendProtocol):
         self.active_requests = 0
         self.workflows_running = 0
         self.setup_called = self.shutdown_called = False
+        self.model: str | None = None
 
     async def setup(self, config: TrainerConfig) -> None:
         self.setup_called = True
+        self.model = config.model
         self.lr = config.trainer.lr
 
     def rollout_engine(self) -> BanditEngine:

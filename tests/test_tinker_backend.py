@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from unified.cli import main
 from unified.config import load_config
 from unified.errors import BackendError, CapabilityError, UsageError
 from unified.protocol import RolloutEngine
-from unified.types import Step, Task, Trajectory
+from unified.types import Episode, ModelOutput, Step, Task, Trajectory, TrajectoryGroup
 
 KEY = "tml-test"
 
@@ -166,21 +166,59 @@ def test_an_entropy_bonus_is_refused_at_start_up(tinker_config: Any) -> None:
         UnifiedTrainer(config, train_tasks=tasks())
 
 
-async def test_a_request_running_at_a_weight_sync_finishes_on_the_old_version(
-    server: LocalServer, tinker_config: Any
-) -> None:
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8, "stop": [], "seed": 1}
+
+
+@pytest.fixture
+async def kl_backend(server: LocalServer, tinker_config: Any) -> AsyncIterator[TinkerBackend]:
+    """A backend set up on the test server with a KL penalty (so with a reference client)."""
     backend = TinkerBackend()
     await backend.setup(load_config(tinker_config(server.base_url, trainer={"kl_coef": 0.1})))
     try:
-        engine = backend.rollout_engine()
-        params = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8, "stop": [], "seed": 1}
-        async with asyncio.timeout(60), asyncio.TaskGroup() as tg:
-            # The task reads the sampling client when it starts, before the sync publishes one.
-            running = tg.create_task(engine.complete([5, 6, 7], **params))
-            await backend.on_policy_updated(1)
-            after = await engine.complete([5, 6, 7], **params)
-        before = running.result()
+        yield backend
     finally:
         await backend.shutdown()
+
+
+async def test_a_request_running_at_a_weight_sync_finishes_on_the_old_version(
+    kl_backend: TinkerBackend,
+) -> None:
+    engine = kl_backend.rollout_engine()
+    async with asyncio.timeout(60), asyncio.TaskGroup() as tg:
+        # The task reads the sampling client when it starts, before the sync publishes one.
+        running = tg.create_task(engine.complete([5, 6, 7], **SAMPLING))
+        await kl_backend.on_policy_updated(1)
+        after = await engine.complete([5, 6, 7], **SAMPLING)
+    before = running.result()
     assert before.policy_version == 0, "a request started before the sync keeps its version"
     assert after.policy_version == 1, "a request started after the sync samples version 1"
+
+
+async def test_the_kl_reference_stays_the_base_model_while_the_policy_trains(
+    kl_backend: TinkerBackend,
+) -> None:
+    engine = kl_backend.rollout_engine()
+    async with asyncio.timeout(120):
+        # Version 0 samples the base model: its logprobs are the reference's own.
+        outputs = [await engine.complete([5, 6, 7 + i], **SAMPLING) for i in range(4)]
+        groups = [base_sample_group(outputs)]
+        before = await kl_backend.forward_backward(groups)
+        await kl_backend.optim_step()
+        after = await kl_backend.forward_backward(groups)
+        await kl_backend.optim_step()
+    assert abs(before["train/kl_reference"]) < 1e-4, f"base vs base: {before}"
+    assert abs(after["train/kl_reference"]) < 1e-4, f"a trained step moved the reference: {after}"
+
+
+def base_sample_group(outputs: list[ModelOutput]) -> TrajectoryGroup:
+    """One group of the given outputs with advantages +1 / -1, so a step changes the policy."""
+    episodes = [
+        Episode(
+            task_id="t",
+            rollout_index=i,
+            trajectories=[Trajectory(steps=[Step(messages=[], output=out)], reward=float(i % 2))],
+        )
+        for i, out in enumerate(outputs)
+    ]
+    advantages = [1.0 if i % 2 else -1.0 for i in range(len(outputs))]
+    return TrajectoryGroup(task_id="t", episodes=episodes, advantages=advantages, policy_version=0)

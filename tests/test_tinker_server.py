@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import tinker
 
 from backends.tinker.faults import Faults
 from backends.tinker.server import LocalServer
+from backends.tinker.server_process import ServerProcess
+from unified.errors import UsageError
 
 DEADLINE_S = 60
 PROMPT = [5, 6, 7, 8, 9]
@@ -152,3 +156,27 @@ def test_a_wrong_key_is_refused(tmp_path: Path) -> None:
         client = tinker.ServiceClient(base_url=url, api_key="tml-wrong")
         with pytest.raises(tinker.AuthenticationError, match="invalid or missing API key"):
             client.create_lora_training_client("builtin:tiny", rank=8).result(DEADLINE_S)
+
+
+async def test_the_server_process_serves_until_its_stdin_closes(tmp_path: Path) -> None:
+    server = ServerProcess("builtin:tiny", store=tmp_path / "store")
+    url = await server.start(timeout_s=120)
+    process = server._process
+    assert process is not None and process.stdin is not None
+    async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+        health = await client.get(f"{url}/api/v1/healthz")
+    assert health.json() == {"status": "ok"}, health.text
+    # What a trainer that dies does: its end of the pipe closes.
+    process.stdin.close()
+    async with asyncio.timeout(DEADLINE_S):
+        code = await process.wait()
+    assert code == 0, f"the server exited with {code} when its stdin closed"
+    await server.stop()
+
+
+async def test_a_server_process_that_cannot_load_its_model_is_one_clear_error(
+    tmp_path: Path,
+) -> None:
+    server = ServerProcess(str(tmp_path / "no-such-model"), store=tmp_path / "store")
+    with pytest.raises(UsageError, match="the local Tinker server failed to start"):
+        await server.start(timeout_s=120)

@@ -145,7 +145,12 @@ class TrainerConfig(_Section):
     )
     mode: Literal["sync", "async"] = Field("sync", description="Training loop.")
     workflow: str = Field(description="Import path of the workflow: module:Class or module:fn.")
-    model: str = Field("builtin:tiny", description="Built-in model, local HF directory or name.")
+    model: str = Field(
+        "builtin:tiny",
+        description="Built-in model (builtin:tiny), local HF directory, a service's model name, "
+        "or a model provider module:function that returns a local model directory (built on "
+        "first use, cached; resolved once before the backend loads it).",
+    )
     data: DataConfig = Field(default_factory=DataConfig)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")

@@ -16,6 +16,7 @@ from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig
 from unified.data import load_eval_tasks
 from unified.errors import ConfigError
+from unified.model_provider import resolve_model
 from unified.protocol import RolloutEngine, check_capabilities, create_backend
 from unified.rollout import (
     SamplingEngine,
@@ -92,6 +93,7 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
     workflow = resolve_workflow(config.workflow)
     backend = create_backend(config.backend)
     check_capabilities(config, backend)
+    config = await asyncio.to_thread(resolve_model, config)
     tasks = await asyncio.to_thread(load_eval_tasks, config.data)
     source = None
     if checkpoint is not None:

@@ -17,6 +17,7 @@ from unified.config import TrainerConfig
 from unified.data import TaskSampler, load_tasks
 from unified.errors import DataError
 from unified.metrics import metrics_for
+from unified.model_provider import resolve_model
 from unified.protocol import BackendProtocol, RolloutEngine, check_capabilities, create_backend
 from unified.schedule import learning_rate
 from unified.types import Episode, ModelOutput, Step, Task, Trajectory, TrajectoryGroup
@@ -65,7 +66,7 @@ async def run_sft(
     examples: list[Task] | None = None,
 ) -> Path:
     """Train `trainer.total_steps` steps of `trainer.batch_size` examples; export to `output`."""
-    config = config.model_copy(deep=True)
+    config = (await asyncio.to_thread(resolve_model, config)).model_copy(deep=True)
     config.trainer.loss = "cross_entropy"
     backend = backend if backend is not None else create_backend(config.backend)
     check_capabilities(config, backend)

@@ -20,6 +20,7 @@ from unified.data import load_eval_tasks, load_tasks
 from unified.errors import TrainingStopped
 from unified.loop import TrainingLoop
 from unified.metrics import metrics_for
+from unified.model_provider import model_provider, resolve_model
 from unified.protocol import BackendProtocol, check_capabilities, create_backend
 from unified.rollout import WorkflowFn, resolve_workflow
 from unified.types import Task
@@ -47,6 +48,7 @@ class UnifiedTrainer:
         eval_tasks: Iterable[Task] | None = None,
     ) -> None:
         self.config = load_config(config)
+        model_provider(self.config.model)  # imports now; fit() builds, so a bad path fails fast
         self.workflow: WorkflowFn = resolve_workflow(
             workflow if workflow is not None else self.config.workflow
         )
@@ -68,6 +70,7 @@ class UnifiedTrainer:
         loop: TrainingLoop | None = None
         error: BaseException | None = None
         try:
+            self.config = await asyncio.to_thread(resolve_model, self.config)
             checkpoint = await asyncio.to_thread(
                 self.run.create, self.config.to_yaml(), resume=self.config.resume
             )

@@ -1,7 +1,7 @@
 """TinkerBackend: train through the real `tinker` SDK, on the service or a compatible server.
 
 - set-up: `ServiceClient(base_url, api_key)`, `create_lora_training_client(model, rank)`; with no
-  `base_url` and no key it first starts the local server (`server.LocalServer`) on loopback.
+  `base_url` and no key it first starts the local server in a child process on loopback.
 - sampling: the rollout engine sends each request to the `SamplingClient` of the newest version,
   many in flight; a request keeps the client it started on, so a weight sync never disturbs it.
 - training: `forward_backward` submits and returns; `optim_step` submits right behind it and
@@ -32,6 +32,7 @@ from backends.local.backend import LocalEngine
 from backends.local.builtin import load_tokenizer
 from backends.tinker.config import TinkerConfig
 from backends.tinker.datums import TokenSequence, fold_kl_penalty, group_sequences, to_datum
+from backends.tinker.server_process import ServerProcess
 from unified.config import TrainerConfig
 from unified.errors import BackendError, ConfigError, UsageError
 from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
@@ -80,7 +81,7 @@ class TinkerBackend(BackendProtocol):
         self.settings = TinkerConfig()
         self.lr = 1e-4
         self._pending: list[_Pending] = []
-        self._server: Any = None
+        self._server: ServerProcess | None = None
         self._service: tinker.ServiceClient | None = None
         self.base_url: str | None = None
 
@@ -119,12 +120,17 @@ class TinkerBackend(BackendProtocol):
             blocking=True,
         )
         self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
-        self.reference: tinker.SamplingClient | None = None
+        # The KL reference is the base model: a LoRA client that is never trained (its adapters
+        # start at zero) scores a whole batch in one `forward`, not a request per sequence.
+        self.reference: tinker.TrainingClient | None = None
         if config.trainer.kl_coef > 0:
             self.reference = await self._remote(
-                "create_sampling_client",
-                lambda: service.create_sampling_client(base_model=self.base_model),
+                "create_lora_training_client (KL reference)",
+                lambda: service.create_lora_training_client(
+                    self.base_model, rank=settings.lora_rank, seed=settings.lora_seed
+                ),
                 idempotent=True,
+                blocking=True,
             )
         self._publish(await self._new_sampling_client(), version=0)
 
@@ -137,14 +143,13 @@ class TinkerBackend(BackendProtocol):
             )
 
     async def _start_local_server(self, config: TrainerConfig) -> str:
-        from backends.tinker.server import LocalServer
+        from backends.tinker.server_process import ServerProcess
 
         store = self.settings.local_store or config.run_path / "tinker-store"
-        self._server = LocalServer(
-            config.model, store=store, max_batch=self.settings.local_max_batch
+        self._server = ServerProcess(
+            config.model, store=store.resolve(), max_batch=self.settings.local_max_batch
         )
-        url: str = await asyncio.to_thread(self._server.start, self.settings.request_timeout_s)
-        return url
+        return await self._server.start(self.settings.request_timeout_s)
 
     async def _check_reachable(self, base_url: str) -> None:
         """Fail in one line, fast, when nothing listens at `base_url` (the SDK would retry)."""
@@ -290,18 +295,20 @@ class TinkerBackend(BackendProtocol):
         return metrics
 
     async def _fold_kl(self, sequences: list[TokenSequence]) -> float:
+        """Score `sequences` under the reference in one `forward`; fold the penalty in."""
         reference = self.reference
         assert reference is not None
-
-        async def score(seq: TokenSequence) -> list[float | None]:
-            prompt = tinker.ModelInput.from_ints(seq.tokens)
-            return await self._remote(
-                "compute_logprobs", lambda: reference.compute_logprobs(prompt), idempotent=True
-            )
-
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(score(seq)) for seq in sequences]
-        return fold_kl_penalty(sequences, [t.result() for t in tasks], self.config.trainer.kl_coef)
+        datums = [to_datum(seq, "cross_entropy") for seq in sequences]
+        output = await self._remote(
+            "forward (KL reference)",
+            lambda: reference.forward(datums, "cross_entropy"),  # type: ignore[arg-type]
+            idempotent=True,
+        )
+        # Position i scores token i + 1; the first token has no logprob.
+        scored: list[list[float | None]] = [
+            [None, *row["logprobs"].to_numpy().tolist()] for row in output.loss_fn_outputs
+        ]
+        return fold_kl_penalty(sequences, scored, self.config.trainer.kl_coef)
 
     async def optim_step(self) -> dict[str, float]:
         pending, self._pending = self._pending, []
@@ -363,7 +370,7 @@ class TinkerBackend(BackendProtocol):
         finally:
             if self._server is not None:
                 server, self._server = self._server, None
-                await asyncio.to_thread(server.stop)
+                await server.stop()
 
 
 def _train_metrics(pending: list[_Pending], outputs: list[Any]) -> dict[str, float]:

@@ -26,6 +26,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backends.tinker.faults import FaultInjector, Faults
 from backends.tinker.futures import FutureStore, Outcome
@@ -58,6 +59,9 @@ def create_app(
             futures.open(tasks)
             try:
                 await asyncio.to_thread(service.load)
+            except Exception as e:
+                app.state.load_error = e
+                raise
             finally:
                 if ready is not None:
                     ready.set()
@@ -66,21 +70,8 @@ def create_app(
 
     app = FastAPI(title="unified tinker-serve", lifespan=lifespan)
     app.state.injector = injector
-
-    @app.middleware("http")
-    async def guard(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if api_key is not None and request.headers.get("X-API-Key") != api_key:
-            return JSONResponse({"detail": "invalid or missing API key (X-API-Key)"}, 401)
-        path = request.url.path
-        delay = injector.latency_for(path)
-        if delay:
-            await asyncio.sleep(delay)
-        status = injector.status_for(path)
-        if status is not None:
-            return JSONResponse({"detail": f"injected HTTP {status}"}, status)
-        return await call_next(request)
+    app.state.load_error = None
+    app.add_middleware(_Guard, api_key=api_key, injector=injector)
 
     def submit(path: str, work: Callable[[], Awaitable[Outcome]]) -> str:
         """Start `work` as a future; a wrong request becomes a `user` error future."""
@@ -223,6 +214,37 @@ def create_app(
     return app
 
 
+class _Guard:
+    """The API key check and injected HTTP faults, as plain ASGI middleware.
+
+    Plain ASGI rather than `@app.middleware("http")`, which streams every response through an
+    extra task: on the sampling path (two requests per rollout) that cost shows in step time.
+    """
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, injector: FaultInjector) -> None:
+        self.app = app
+        self.key = None if api_key is None else api_key.encode()
+        self.injector = injector
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal: Response | None = None
+        if self.key is not None and dict(scope["headers"]).get(b"x-api-key") != self.key:
+            refusal = JSONResponse({"detail": "invalid or missing API key (X-API-Key)"}, 401)
+        else:
+            path = scope["path"]
+            delay = self.injector.latency_for(path)
+            if delay:
+                await asyncio.sleep(delay)
+            status = self.injector.status_for(path)
+            if status is not None:
+                refusal = JSONResponse({"detail": f"injected HTTP {status}"}, status)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 class LocalServer:
     """The server on a background thread: `with LocalServer("builtin:tiny") as url: ...`."""
 
@@ -272,8 +294,9 @@ class LocalServer:
         self._thread.start()
         if not self._ready.wait(timeout_s):
             raise TimeoutError(f"the local Tinker server did not load within {timeout_s:g} s")
-        if self._error is not None or not self._thread.is_alive():
-            raise UsageError(f"the local Tinker server failed to start: {self._error!r}")
+        error = self._error or self.app.state.load_error
+        if error is not None or not self._thread.is_alive():
+            raise UsageError(f"the local Tinker server failed to start: {error!r}")
         return self.base_url
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -294,6 +317,12 @@ class LocalServer:
         self.stop()
 
 
+def _stop_at_eof(server: LocalServer) -> None:
+    """Stop `server` once stdin reaches end of file (its parent closed it, or died)."""
+    sys.stdin.read()
+    server.stop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`unified tinker-serve`: serve a model over the Tinker protocol until interrupted."""
     parser = argparse.ArgumentParser(
@@ -307,6 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=64, help="most requests per batch")
     parser.add_argument("--keep-samplers", type=int, default=8, help="weight snapshots kept")
     parser.add_argument("--faults", default=None, help='JSON, e.g. {"http_500_rate": 0.1}')
+    parser.add_argument(
+        "--exit-with-stdin",
+        action="store_true",
+        help="stop when stdin closes (a parent process that dies takes the server with it)",
+    )
     args = parser.parse_args(argv)
     faults = Faults.model_validate(json.loads(args.faults)) if args.faults else None
     from unified.cli import run_command
@@ -323,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             keep_samplers=args.keep_samplers,
         )
         url = server.start()
+        if args.exit_with_stdin:
+            threading.Thread(target=_stop_at_eof, args=(server,), daemon=True).start()
         auth = "X-API-Key required" if args.api_key else "any tml- key"
         print(f"tinker-serve: {args.model} at {url} ({auth}; store {args.store})", flush=True)
         try:

@@ -4,6 +4,8 @@
 expressions for train prompts (`warmstart.py`), then `unified.sft.run_sft` on the local backend,
 exported as a Hugging Face directory. The recipe is written next to the model; a directory whose
 recipe differs is rebuilt, and the same recipe always gives the same model (seeded).
+`warmstart_model` is the model provider the countdown configs name
+(`model: examples.countdown.prepare:warmstart_model`), so `unified train` builds it too.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from unified.config import load_config
 from unified.sft import run_sft
 from unified.types import Task
 
-__all__ = ["WarmStartRecipe", "ensure_warmstart"]
+__all__ = ["WARMSTART_DIR", "WarmStartRecipe", "ensure_warmstart", "warmstart_model"]
 
 RECIPE_FILE = "warmstart_recipe.json"
+# Relative to the working directory: the project root, where the configs' import paths resolve.
+WARMSTART_DIR = Path(".cache/countdown-warmstart-tiny")
 
 
 class WarmStartRecipe(BaseModel):
@@ -88,3 +92,8 @@ def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = Non
             shutil.rmtree(directory)
         os.replace(staged, directory)
     return directory
+
+
+def warmstart_model() -> Path:
+    """Model provider: the default warm start in `.cache/`, built on first use (~1.5 min)."""
+    return ensure_warmstart(WARMSTART_DIR)

@@ -2,22 +2,21 @@
 
     python -m examples.countdown.train examples/countdown/local_async.yaml [key=value ...]
 
-Builds the warm-started model the config's `model` points at if it is missing, trains with
-`UnifiedTrainer`, then prints the greedy eval accuracy before and after training (the mean of the
-last evaluations), the two baselines it must beat, and where the reward-curve PNG is.
+Trains with `UnifiedTrainer`, which builds the warm start on first use (the configs' model
+provider, `examples.countdown.prepare:warmstart_model`), then prints the greedy eval accuracy
+before and after training (the mean of the last evaluations), the two baselines it must beat,
+and where the reward-curve PNG is.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from examples.countdown.baselines import baselines, best_pattern_by_target_band
-from examples.countdown.prepare import RECIPE_FILE, ensure_warmstart
 from unified.cli import run_command
 from unified.config import load_config
 from unified.errors import UsageError
@@ -49,16 +48,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _train_and_report(config_path: str, overrides: list[str]) -> int:
     config = load_config(config_path, overrides)
-    model_dir = Path(config.model)
-    # A missing directory, or one made by an older recipe, is (re)built; a user's own is kept,
-    # and so is a model name the Tinker service serves (tinker backend with a key).
-    on_service = config.backend == "tinker" and bool(os.environ.get("TINKER_API_KEY"))
-    if (
-        not config.model.startswith("builtin:")
-        and not on_service
-        and (not model_dir.exists() or (model_dir / RECIPE_FILE).exists())
-    ):
-        ensure_warmstart(model_dir)
     # A fresh run gets its own timestamped directory; resume=true continues the named one.
     if not config.resume and not any(a.startswith("name=") for a in overrides):
         config.name = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -27,7 +27,7 @@ _URL = re.compile(rb" at (http://\S+) ")
 
 
 class ServerProcess:
-    """`async with`-free handle on a `unified tinker-serve` child: `start()` -> URL, `stop()`."""
+    """A `unified tinker-serve` child: `await start()` gives its URL, `await stop()` ends it."""
 
     def __init__(self, model: str, *, store: Path, max_batch: int = 64) -> None:
         self.args = [

@@ -1,10 +1,10 @@
-"""Trajectories -> Tinker Datums: shift by one, multi-turn merging, the folded KL penalty."""
+"""Trajectories -> Tinker Datums: shift by one, multi-turn merging, the folded KL and entropy."""
 
 from __future__ import annotations
 
 import pytest
 
-from backends.tinker.datums import fold_kl_penalty, group_sequences, to_datum
+from backends.tinker.datums import fold_entropy_bonus, fold_kl_penalty, group_sequences, to_datum
 from unified.types import Episode, ModelOutput, Step, Trajectory, TrajectoryGroup
 
 
@@ -61,3 +61,26 @@ def test_the_kl_penalty_charges_tokens_likelier_than_the_reference() -> None:
     mean_kl = fold_kl_penalty([sequence], [[None, -9.0, -1.5, -1.5]], coef=0.1)
     assert mean_kl == pytest.approx(0.5)
     assert sequence.advantages == pytest.approx([0.0, 0.0, 1.0 - 0.05, 1.0 + 0.05])
+
+
+def test_the_entropy_bonus_pays_unlikely_tokens_centred_over_the_batch() -> None:
+    a, b = group_sequences([group(output([1], [3, 4]), advantage=1.0), group(output([1], [5]))])
+    # Sampler logprobs: -0.5, -1.5 (advantage 1) and -0.5 (advantage 2); mean -logprob 5/6.
+    entropy = fold_entropy_bonus([a, b], coef=0.3)
+    assert entropy == pytest.approx(2.5 / 3), "the mean -logprob of the sampled tokens"
+    bonus = [0.3 * (0.5 - 2.5 / 3), 0.3 * (1.5 - 2.5 / 3)]
+    assert a.advantages == pytest.approx([0.0, 1.0 + bonus[0], 1.0 + bonus[1]])
+    assert b.advantages == pytest.approx([0.0, 2.0 + bonus[0]])
+    folded = [x - y for x, y in zip(a.advantages + b.advantages, [0, 1, 1, 0, 2], strict=True)]
+    assert sum(folded) == pytest.approx(0.0), "centred: the bonus moves no mean advantage"
+
+
+def test_the_entropy_bonus_adds_to_a_folded_kl_penalty() -> None:
+    (sequence,) = group_sequences([group(output([1, 2], [3, 4]), advantage=1.0)])
+    fold_kl_penalty([sequence], [[None, -9.0, -1.5, -1.5]], coef=0.1)
+    fold_entropy_bonus([sequence], coef=0.2)
+    # KL: -0.05, +0.05; entropy (-logprob 0.5, 1.5, mean 1.0): -0.1, +0.1.
+    assert sequence.advantages == pytest.approx([0.0, 0.0, 1.0 - 0.15, 1.0 + 0.15])
+    assert to_datum(sequence, "ppo").loss_fn_inputs["advantages"].tolist() == pytest.approx(
+        [0.0, 0.85, 1.15]
+    )

@@ -31,7 +31,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from backends.local.backend import LocalEngine
 from backends.local.builtin import load_tokenizer
 from backends.tinker.config import TinkerConfig
-from backends.tinker.datums import TokenSequence, fold_kl_penalty, group_sequences, to_datum
+from backends.tinker.datums import (
+    TokenSequence,
+    fold_entropy_bonus,
+    fold_kl_penalty,
+    group_sequences,
+    to_datum,
+)
 from backends.tinker.server_process import ServerProcess
 from unified.config import TrainerConfig
 from unified.errors import BackendError, ConfigError, UsageError
@@ -74,8 +80,8 @@ class TinkerBackend(BackendProtocol):
     """LoRA training and sampling on Tinker through the pinned SDK."""
 
     name: ClassVar[str] = "tinker"
-    # Tinker's built-in losses have no entropy term; the KL penalty is folded into advantages.
-    capabilities = BackendCapabilities(entropy_bonus=False, partial_rollout=False)
+    # Tinker's built-in losses have neither a KL nor an entropy term: both fold into advantages.
+    capabilities = BackendCapabilities(partial_rollout=False)
 
     def __init__(self) -> None:
         self.settings = TinkerConfig()
@@ -282,6 +288,10 @@ class TinkerBackend(BackendProtocol):
         if self.reference is not None:
             metrics["train/kl_reference"] = await self._fold_kl(sequences)
         loss = self.config.trainer.loss
+        if loss != "cross_entropy":
+            # Sampled at temperature 1: the mean -logprob estimates the policy's entropy.
+            coef = self.config.trainer.entropy_coef
+            metrics["train/entropy"] = fold_entropy_bonus(sequences, coef)
         tokens = sum(seq.sampled_count for seq in sequences)
         scale = 1.0 / max(1, tokens) if self.settings.loss_agg == "token_mean" else 1.0
         datums = [to_datum(seq, loss, scale) for seq in sequences]

@@ -1,4 +1,4 @@
-"""Trajectory groups -> Tinker `Datum`s, and the KL penalty folded into advantages.
+"""Trajectory groups -> Tinker `Datum`s; the KL penalty and entropy bonus fold into advantages.
 
 Shift by one: a sequence of tokens `s` becomes `model_input = s[:-1]`, `target_tokens = s[1:]`,
 so input position i predicts token i+1, and every loss input has one entry per input position:
@@ -18,7 +18,7 @@ import tinker
 
 from unified.types import Trajectory, TrajectoryGroup
 
-__all__ = ["TokenSequence", "fold_kl_penalty", "group_sequences", "to_datum"]
+__all__ = ["TokenSequence", "fold_entropy_bonus", "fold_kl_penalty", "group_sequences", "to_datum"]
 
 
 @dataclass
@@ -30,7 +30,7 @@ class TokenSequence:
     logprobs: list[float] = field(default_factory=list)
     advantage: float = 0.0
     advantages: list[float] | None = None
-    """Per-token advantages, once a KL penalty is folded in (else `advantage` everywhere)."""
+    """Per-token advantages, once a penalty or bonus is folded in (else `advantage` everywhere)."""
 
     def extend(self, tokens: Sequence[int], logprobs: Sequence[float] | None) -> None:
         """Append observed tokens (`logprobs` None) or sampled ones."""
@@ -88,14 +88,33 @@ def fold_kl_penalty(
             raise ValueError(f"{len(ref)} reference logprobs for {len(seq.tokens)} tokens")
         pairs = zip(seq.logprobs, ref, seq.sampled, strict=True)
         kls.append([q - (r or 0.0) if s else 0.0 for q, r, s in pairs])
-    count = sum(seq.sampled_count for seq in sequences)
-    mean_kl = sum(sum(k) for k in kls) / max(1, count)
-    for seq, kl in zip(sequences, kls, strict=True):
+    return _fold_penalty(sequences, kls, coef)
+
+
+def fold_entropy_bonus(sequences: Sequence[TokenSequence], coef: float) -> float:
+    """Add `coef * (-logprob_t - mean)` to each sampled token's advantage; the mean `-logprob`.
+
+    A sampled estimate of the entropy bonus's gradient (REINFORCE with `-log p` as the reward;
+    centring is the baseline), for losses that have no entropy term. The sampler logprobs are at
+    temperature 1, so the returned mean estimates the policy's entropy in nats per token.
+    """
+    return -_fold_penalty(sequences, [seq.logprobs for seq in sequences], coef)
+
+
+def _fold_penalty(
+    sequences: Sequence[TokenSequence], values: Sequence[Sequence[float]], coef: float
+) -> float:
+    """Add `coef * (mean - v_t)` to each sampled token's advantage; the mean of `v` over them."""
+    pairs = zip(sequences, values, strict=True)
+    total = sum(v for seq, row in pairs for v, s in zip(row, seq.sampled, strict=True) if s)
+    mean = total / max(1, sum(seq.sampled_count for seq in sequences))
+    for seq, row in zip(sequences, values, strict=True):
+        current = seq.advantages or [seq.advantage] * len(seq.tokens)
         seq.advantages = [
-            seq.advantage + coef * (mean_kl - k) if s else 0.0
-            for k, s in zip(kl, seq.sampled, strict=True)
+            a + coef * (mean - v) if s else 0.0
+            for a, v, s in zip(current, row, seq.sampled, strict=True)
         ]
-    return mean_kl
+    return mean
 
 
 def to_datum(sequence: TokenSequence, loss_fn: str, scale: float = 1.0) -> tinker.Datum:

@@ -23,6 +23,16 @@ def tiny_model() -> Path:
     return directory
 
 
+def tiny_policy() -> Path:
+    """The built-in tiny policy saved into $UNIFIED_TEST_MODEL_DIR (a loadable model directory)."""
+    from backends.local.builtin import load_policy, save_policy
+
+    directory = Path(os.environ["UNIFIED_TEST_MODEL_DIR"])
+    if not (directory / "config.json").is_file():
+        save_policy(*load_policy("builtin:tiny"), directory)
+    return directory
+
+
 def broken_model() -> Path:
     """A provider whose build fails."""
     raise RuntimeError("the warm start needs 3 numbers, got 2")

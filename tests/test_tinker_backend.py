@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,7 @@ from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.cli import main
 from unified.config import load_config
-from unified.errors import BackendError, CapabilityError, UsageError
+from unified.errors import BackendError, UsageError
 from unified.protocol import RolloutEngine
 from unified.types import Episode, ModelOutput, Step, Task, Trajectory, TrajectoryGroup
 
@@ -43,14 +46,18 @@ def tinker_config(make_config: ConfigFactory) -> Any:
     """A config factory for the tinker backend with the digits workflow."""
 
     def make(base_url: str | None = None, **sections: Any) -> dict[str, Any]:
-        trainer = {"batch_size": 4, "group_size": 4, "lr": 1e-2, **sections.pop("trainer", {})}
+        # A request waits behind the server's batch and its training step: generous deadlines.
+        trainer = {
+            "batch_size": 4, "group_size": 4, "lr": 1e-2, "stall_timeout": 300,
+            "workflow_timeout": 120, **sections.pop("trainer", {}),
+        }  # fmt: skip
         return make_config(
             backend="tinker",
             workflow="tests.test_tinker_backend:DigitsWorkflow",
             model="builtin:tiny",
             trainer=trainer,
             sampling={"train": {"max_tokens": 8}},
-            tinker={"lora_rank": 8, "base_url": base_url, "request_timeout_s": 60},
+            tinker={"lora_rank": 8, "base_url": base_url, "request_timeout_s": 300},
             **sections,
         )
 
@@ -160,10 +167,75 @@ def test_an_unreachable_server_is_one_clear_error(
         asyncio.run(backend.setup(config))
 
 
-def test_an_entropy_bonus_is_refused_at_start_up(tinker_config: Any) -> None:
-    config = tinker_config(trainer={"entropy_coef": 0.01})
-    with pytest.raises(CapabilityError, match=r"trainer\.entropy_coef=0\.01 is not supported"):
-        UnifiedTrainer(config, train_tasks=tasks())
+def test_the_folded_entropy_bonus_keeps_the_policy_more_random(
+    server: LocalServer, tinker_config: Any
+) -> None:
+    # The digits reward makes the policy more certain; the bonus (folded into advantages, as
+    # Tinker's losses have no entropy term) holds it back. Same seeds, so only the bonus differs.
+    entropy = {}
+    for coef in (0.0, 0.5):
+        trainer = {"total_steps": 4, "batch_size": 8, "filter_groups": False, "entropy_coef": coef}
+        config = tinker_config(server.base_url, name=f"entropy-{coef}", trainer=trainer)
+        run_dir = UnifiedTrainer(config, train_tasks=tasks()).fit().run_dir
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+        entropy[coef] = [r["train/entropy"] for r in rows if "train/entropy" in r]
+    assert len(entropy[0.0]) == 4 and entropy[0.0][0] == entropy[0.5][0], entropy
+    assert entropy[0.5][-1] > entropy[0.0][-1] + 0.05, f"the bonus did not raise entropy: {entropy}"
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started (Linux `/proc`)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(c) for task in tasks.iterdir() for c in (task / "children").read_text().split()]
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is alive: not gone, and not a zombie waiting for a reaper."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_killed_run_resumes_at_its_last_checkpoint_and_leaves_no_server_behind(
+    tmp_path: Path, tinker_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    data = {"train": {"generator": "tests.test_tinker_backend:tasks", "n": 64}}
+    trainer = {"total_steps": 1000, "save_every": 2}
+    config = tinker_config(name="killed", data=data, trainer=trainer)
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(config))
+    run_dir = Path(config["logging"]["run_dir"]) / "killed"
+    command = "import sys; from unified.cli import main; sys.exit(main())"
+    process = subprocess.Popen([sys.executable, "-c", command, "train", str(path)])
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "step_000002" / "trainer_state.json").is_file():
+            assert process.poll() is None, (
+                f"the run ended ({process.returncode}) before a checkpoint"
+            )
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.2)
+        children = child_pids(process.pid)
+        assert children, "the trainer runs its local server as a child process"
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(running(pid) for pid in children), "the killed trainer left its server running"
+
+    resumed = {**config, "resume": True, "trainer": {**config["trainer"]}}
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    last = int(checkpoints[-1].name.removeprefix("step_"))
+    resumed["trainer"]["total_steps"] = last + 2
+    result = UnifiedTrainer(resumed).fit()
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()]
+    assert result.steps == last + 2, f"resumed at {last}, ended at {result.steps}"
+    assert steps == list(range(1, last + 3)), f"step count not continuous: {steps}"
 
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8, "stop": [], "seed": 1}

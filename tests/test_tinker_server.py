@@ -13,7 +13,7 @@ import pytest
 import tinker
 
 from backends.tinker.faults import Faults
-from backends.tinker.server import LocalServer
+from backends.tinker.server import LocalServer, main
 from backends.tinker.server_process import ServerProcess
 from unified.errors import UsageError
 
@@ -180,3 +180,27 @@ async def test_a_server_process_that_cannot_load_its_model_is_one_clear_error(
     server = ServerProcess(str(tmp_path / "no-such-model"), store=tmp_path / "store")
     with pytest.raises(UsageError, match="the local Tinker server failed to start"):
         await server.start(timeout_s=120)
+
+
+async def test_tinker_serve_serves_the_directory_a_model_provider_builds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir = tmp_path / "provided"
+    monkeypatch.setenv("UNIFIED_TEST_MODEL_DIR", str(model_dir))
+    server = ServerProcess("tests.model_providers:tiny_policy", store=tmp_path / "store")
+    url = await server.start(timeout_s=120)
+    try:
+        async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+            served = await client.get(f"{url}/api/v1/get_server_capabilities")
+    finally:
+        await server.stop()
+    assert served.json() == {"supported_models": [{"model_name": str(model_dir)}]}, served.text
+
+
+def test_tinker_serve_with_a_failing_model_provider_is_one_clear_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(["--port", "0", "--model", "tests.model_providers:broken_model"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "model provider 'tests.model_providers:broken_model' failed: RuntimeError" in err

@@ -4,8 +4,9 @@
 name, or an import path `package.module:function` naming a *model provider*: a function called
 with no arguments that returns a local model directory, building it on first use and caching it
 (the countdown example's warm start). It is resolved once, before the backend loads the model,
-by everything that loads one (`UnifiedTrainer`, `unified sft`, `unified eval`), so the backend
-only ever sees a directory. The core imports a provider only by the string the config names.
+by everything that loads one (`UnifiedTrainer`, `unified sft`, `unified eval`, `unified
+tinker-serve`), so the backend only ever sees a directory. The core imports a provider only by
+the string the config names.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from unified.config import TrainerConfig
 from unified.errors import UsageError
 from unified.imports import import_object
 
-__all__ = ["is_model_provider", "model_provider", "resolve_model"]
+__all__ = ["is_model_provider", "model_provider", "resolve_model", "resolve_model_spec"]
 
 # `package.module:function`; `builtin:` names and paths (`/`, `\`, a drive) never match.
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -50,18 +51,26 @@ def resolve_model(config: TrainerConfig) -> TrainerConfig:
 
     Blocking (a provider may train a model on first use): call it off the event loop.
     """
-    provider = model_provider(config.model)
-    if provider is None:
+    model = resolve_model_spec(config.model)
+    if model == config.model:
         return config
+    resolved = config.model_copy(deep=True)
+    resolved.model = model
+    return resolved
+
+
+def resolve_model_spec(model: str) -> str:
+    """`model` itself, or the directory the provider it names returns (may build it; blocking)."""
+    provider = model_provider(model)
+    if provider is None:
+        return model
     try:
         directory = provider()
     except Exception as e:
-        raise UsageError(f"model provider {config.model!r} failed: {e!r}") from e
+        raise UsageError(f"model provider {model!r} failed: {e!r}") from e
     if not isinstance(directory, str | Path) or not Path(directory).is_dir():
         raise UsageError(
-            f"model provider {config.model!r} returned {directory!r}, not an existing model "
+            f"model provider {model!r} returned {directory!r}, not an existing model "
             "directory; it must build the directory and return its path"
         )
-    resolved = config.model_copy(deep=True)
-    resolved.model = str(directory)
-    return resolved
+    return str(directory)

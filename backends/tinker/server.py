@@ -34,6 +34,7 @@ from backends.tinker.service import LocalTinker
 from backends.tinker.training import UserError
 from backends.tinker.wire import WireError, decode_forward_backward
 from unified.errors import UsageError
+from unified.model_provider import resolve_model_spec
 
 __all__ = ["DEFAULT_STORE", "LocalServer", "create_app", "main"]
 
@@ -330,7 +331,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--host", default="127.0.0.1", help="interface (default: loopback)")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    parser.add_argument("--model", default="builtin:tiny", help="builtin:<size> or a local dir")
+    parser.add_argument(
+        "--model",
+        default="builtin:tiny",
+        help="builtin:<size>, a local model dir or a model provider (package.module:function)",
+    )
     parser.add_argument("--api-key", default=None, help="require this X-API-Key (tml-...)")
     parser.add_argument("--store", type=Path, default=DEFAULT_STORE, help="tinker:// paths")
     parser.add_argument("--max-batch", type=int, default=64, help="most requests per batch")
@@ -347,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def serve() -> int:
         server = LocalServer(
-            args.model,
+            resolve_model_spec(args.model),
             host=args.host,
             port=args.port,
             store=args.store,
@@ -360,7 +365,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.exit_with_stdin:
             threading.Thread(target=_stop_at_eof, args=(server,), daemon=True).start()
         auth = "X-API-Key required" if args.api_key else "any tml- key"
-        print(f"tinker-serve: {args.model} at {url} ({auth}; store {args.store})", flush=True)
+        try:
+            print(f"tinker-serve: {args.model} at {url} ({auth}; store {args.store})", flush=True)
+        except BrokenPipeError:
+            server.stop()  # whoever started it is gone before the model finished loading
+            return 1
         try:
             server.wait()
         finally:

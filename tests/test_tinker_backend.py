@@ -16,6 +16,7 @@ import pytest
 from backends.tinker.backend import TinkerBackend
 from backends.tinker.faults import Faults
 from backends.tinker.server import LocalServer
+from examples.countdown.prepare import WarmStartRecipe, ensure_warmstart
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.cli import main
@@ -25,6 +26,8 @@ from unified.protocol import RolloutEngine
 from unified.types import Episode, ModelOutput, Step, Task, Trajectory, TrajectoryGroup
 
 KEY = "tml-test"
+COUNTDOWN_LR = 5e-3
+COUNTDOWN_GAIN = 0.03
 
 
 class DigitsWorkflow:
@@ -56,7 +59,7 @@ def tinker_config(make_config: ConfigFactory) -> Any:
             workflow="tests.test_tinker_backend:DigitsWorkflow",
             model="builtin:tiny",
             trainer=trainer,
-            sampling={"train": {"max_tokens": 8}},
+            sampling={"train": {"max_tokens": 8}, **sections.pop("sampling", {})},
             tinker={"lora_rank": 8, "base_url": base_url, "request_timeout_s": 300},
             **sections,
         )
@@ -94,6 +97,40 @@ def test_reward_rises_when_training_through_tinker(
     first, last = sum(curve[:3]) / 3, sum(curve[3:]) / 3
     assert last > first + 0.05, f"{mode}: reward did not rise: {curve}"
     assert "train/kl_sample_train" in result.metrics and "train/grad_norm" in result.metrics
+
+
+@pytest.fixture(scope="module")
+def countdown_warmstart(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A countdown warm start small enough to build in seconds: two numbers up to 9."""
+    recipe = WarmStartRecipe(steps=80, batch_size=32, lr=5e-3, numbers=2, max_number=9)
+    return ensure_warmstart(tmp_path_factory.mktemp("countdown") / "warmstart", recipe)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_countdown_reward_rises_through_tinker(
+    mode: str, countdown_warmstart: Path, tinker_config: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    problems = {"generator": "examples.countdown.tasks:make_tasks", "numbers": 2, "max_number": 9}
+    config = tinker_config(
+        model=str(countdown_warmstart),
+        mode=mode,
+        workflow="examples.countdown.workflow:CountdownWorkflow",
+        # Greedy evaluations of the same training problems before and after: a paired comparison
+        # (the eval split holds too few problems of two numbers up to 9).
+        data={"train": {**problems, "n": 100}, "eval": {**problems, "n": 48}},
+        trainer={"total_steps": 8, "batch_size": 8, "group_size": 8, "lr": COUNTDOWN_LR,
+                 "filter_groups": False, "eval_every": 8, "eval_before_train": True},
+        async_={"max_staleness": 1},
+        sampling={"train": {"max_tokens": 8}, "eval": {"temperature": 0.0, "max_tokens": 8}},
+    )  # fmt: skip
+    run_dir = UnifiedTrainer(config).fit().run_dir
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    evals = [(r["step"], r["eval/reward"]) for r in rows if "eval/reward" in r]
+    assert [step for step, _ in evals] == [0, 8], evals
+    assert evals[1][1] > evals[0][1] + COUNTDOWN_GAIN, f"{mode}: eval reward did not rise: {evals}"
+    if mode == "async":
+        assert max(r.get("staleness/max", 0) for r in rows) == 1, "async trained stale groups"
 
 
 def test_without_url_or_key_the_backend_trains_on_its_own_local_server_and_resumes(

@@ -4,8 +4,9 @@ Both train countdown from the same cached warm start with `examples/countdown/<b
 .yaml` for `--steps` steps (no evaluation), one after the other in this process; the tinker run
 goes through the real SDK, HTTP and the local Tinker-compatible server the backend starts. The
 recipe is the same for both: the entropy bonus (an exact loss term on the local backend, a
-sampled estimate folded into advantages on tinker) is switched off. Printed and written: the median wall time per step of each (after
-`--warmup` steps) and their ratio (tinker / local; the target is <= 1.5).
+sampled estimate folded into advantages on tinker) is switched off. Printed and written: the
+median wall time per step of each (after `--warmup` steps) and their ratio (tinker / local; the
+target is <= 1.5).
 
     python bench/tinker_overhead.py --steps 40 --json runs/bench-tinker-overhead.json
 """

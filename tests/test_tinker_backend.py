@@ -56,8 +56,8 @@ def tinker_config(make_config: ConfigFactory) -> Any:
         }  # fmt: skip
         return make_config(
             backend="tinker",
-            workflow="tests.test_tinker_backend:DigitsWorkflow",
-            model="builtin:tiny",
+            workflow=sections.pop("workflow", "tests.test_tinker_backend:DigitsWorkflow"),
+            model=sections.pop("model", "builtin:tiny"),
             trainer=trainer,
             sampling={"train": {"max_tokens": 8}, **sections.pop("sampling", {})},
             tinker={"lora_rank": 8, "base_url": base_url, "request_timeout_s": 300},

@@ -37,6 +37,8 @@ def demo(tmp_path: Path) -> list[str]:
         ("workflow=tests.bandit:NoSuchWorkflow", "has no attribute 'NoSuchWorkflow'"),
         ("workflow=no_such_module:Flow", "cannot import module 'no_such_module'"),
         ("async.partial_rollout=true", "async.partial_rollout=True is not supported by backend"),
+        ("trainer.tis_cap=2", "trainer.tis_cap=2.0 is not supported by backend 'bandit'"),
+        ("trainer.tis_cap=0.5", "config key 'trainer.tis_cap': Value error, must be >= 1"),
         ("trainer.loss=nope", "config key 'trainer.loss'"),
         ("backend=quantum", "unknown backend 'quantum'"),
         ("data.train.n=0", "data.train is empty"),

@@ -185,6 +185,8 @@ def test_a_few_optimizer_steps_on_countdown(make_config: ConfigFactory, mode: st
     assert result.steps == 2
     for key in ("train/loss", "train/kl_sample_train", "train/entropy", "train/grad_norm"):
         assert key in result.metrics, key
+    truncated_is = {"train/is_ratio_mean", "train/is_clipped_frac"}
+    assert (truncated_is <= set(result.metrics)) == (mode == "async"), "TIS on in async only"
 
 
 async def test_a_batched_request_gets_what_it_would_get_alone() -> None:

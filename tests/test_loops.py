@@ -106,6 +106,8 @@ def test_async_never_trains_a_group_staler_than_max_staleness(
             "group_size": group_size,
             "seed": seed,
             "micro_batch_size": micro,
+            # Slow learning: a policy collapsed onto one arm makes every group filtered.
+            "lr": 0.05,
         },
         async_={"max_staleness": staleness, "sync_every": sync_every, "partial_rollout": partial},
     )

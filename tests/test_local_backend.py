@@ -16,8 +16,14 @@ from backends.local.backend import LocalBackend
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.config import TrainerConfig, load_config
-from unified.errors import UsageError
-from unified.protocol import DEFAULT_TIS_CAP, BackendCapabilities, resolve_tis_cap
+from unified.errors import CapabilityError, UsageError
+from unified.protocol import (
+    DEFAULT_TIS_CAP,
+    BackendCapabilities,
+    check_capabilities,
+    create_backend,
+    resolve_tis_cap,
+)
 from unified.types import Episode, ModelOutput, Step, Trajectory, TrajectoryGroup
 
 PROMPTS = ["3 5 7 -> 22", "12 4 -> 3", "1 2 3 -> 6", "9 9 -> 81"]
@@ -329,3 +335,14 @@ def test_tis_cap_auto_is_on_in_async_mode_for_backends_that_honour_it() -> None:
     assert resolve_tis_cap(async_config(trainer={"tis_cap": None}), local) is None
     assert resolve_tis_cap(local_config(tis_cap=3), local) == 3.0, "explicit applies in sync too"
     assert resolve_tis_cap(async_config(), BackendCapabilities()) is None, "auto: off elsewhere"
+
+
+@pytest.mark.parametrize("spec", ["tinker", "verl"])
+def test_backends_without_truncated_is_refuse_a_tis_cap_and_turn_auto_off(spec: str) -> None:
+    backend = create_backend(spec)
+    with pytest.raises(
+        CapabilityError, match=rf"trainer\.tis_cap=2\.0 is not supported by backend '{spec}'"
+    ):
+        check_capabilities(async_config(trainer={"tis_cap": 2}), backend)
+    check_capabilities(async_config(), backend)  # auto: accepted, and off
+    assert resolve_tis_cap(async_config(), backend.capabilities) is None

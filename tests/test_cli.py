@@ -78,6 +78,7 @@ def test_dry_run_prints_the_resolved_config_and_the_checks(
     assert resolved["trainer"]["batch_size"] == 16
     assert resolved["async"]["max_staleness"] == 1, "the async section keeps its public name"
     assert "checks passed" in out
+    assert "truncated IS off" in out, "auto resolves to off on a backend without the capability"
     assert not (tmp_path / "runs").exists(), "a dry run writes nothing"
 
 

@@ -4,7 +4,10 @@ Not a product backend. The "policy" is a logit per answer 0..K-1; a request's an
 from softmax(logits / temperature) with the request's seed, so outputs depend only on the seed and
 the weights version, never on timing. Training is plain policy gradient on those logits, with a
 separate sampler copy of the weights that only `on_policy_updated` refreshes (so async data is
-really off-policy). Every call is recorded for the tests to inspect.
+really off-policy). With `async.partial_rollout: true` (and the capability) a request samples its
+answer, waits again, then ends with an end-of-answer token under whatever version is current by
+then, recording both tokens' versions: a request that spans a weight sync, as the local
+backend's partial rollouts do. Every call is recorded for the tests to inspect.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ def softmax(logits: list[float], temperature: float = 1.0) -> list[float]:
     return [e / total for e in exps]
 
 
+END_OF_ANSWER = ord(".")
+
+
 class BanditEngine(RolloutEngine):
     """Samples an answer digit from the sampler copy of the logits."""
 
@@ -67,13 +73,24 @@ class BanditEngine(RolloutEngine):
                 probs = softmax(logits, sampling["temperature"])
                 answer = random.Random(sampling["seed"]).choices(range(len(probs)), probs)[0]
             logprob = math.log(softmax(logits)[answer])
+            if not b.partial_rollout:
+                return ModelOutput(
+                    text=str(answer),
+                    prompt_ids=prompt_ids,
+                    completion_ids=[48 + answer],
+                    logprobs=[logprob],
+                    finish_reason="stop",
+                    policy_version=version,
+                )
+            await b.end_latency(sampling["seed"] + 1)
             return ModelOutput(
                 text=str(answer),
                 prompt_ids=prompt_ids,
-                completion_ids=[48 + answer],
-                logprobs=[logprob],
+                completion_ids=[48 + answer, END_OF_ANSWER],
+                logprobs=[logprob, 0.0],  # the end token is certain under every version
                 finish_reason="stop",
                 policy_version=version,
+                token_versions=[version, b.sampler_version],
             )
         finally:
             b.active_requests -= 1
@@ -105,10 +122,12 @@ class BanditBackend(BackendProtocol):
         *,
         latency: Callable[[int], Any] = no_latency,
         capabilities: BackendCapabilities | None = None,
+        end_latency: Callable[[int], Any] | None = None,
     ) -> None:
         self.arms = arms
         self.tokenizer = CharTokenizer()
         self.latency = latency
+        self.end_latency = end_latency or latency  # before a partial rollout's end token
         if capabilities is not None:
             self.capabilities = capabilities
         self.train_logits = [0.0] * arms
@@ -122,9 +141,11 @@ class BanditBackend(BackendProtocol):
         self.workflows_running = 0
         self.setup_called = self.shutdown_called = False
         self.model: str | None = None
+        self.partial_rollout = False
 
     async def setup(self, config: TrainerConfig) -> None:
         self.setup_called = True
+        self.partial_rollout = config.async_.partial_rollout
         self.model = config.model
         self.lr = config.trainer.lr
 

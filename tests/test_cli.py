@@ -37,6 +37,8 @@ def demo(tmp_path: Path) -> list[str]:
         ("workflow=tests.bandit:NoSuchWorkflow", "has no attribute 'NoSuchWorkflow'"),
         ("workflow=no_such_module:Flow", "cannot import module 'no_such_module'"),
         ("async.partial_rollout=true", "async.partial_rollout=True is not supported by backend"),
+        ("trainer.tis_cap=2", "trainer.tis_cap=2.0 is not supported by backend 'bandit'"),
+        ("trainer.tis_cap=0.5", "config key 'trainer.tis_cap': Value error, must be >= 1"),
         ("trainer.loss=nope", "config key 'trainer.loss'"),
         ("backend=quantum", "unknown backend 'quantum'"),
         ("data.train.n=0", "data.train is empty"),
@@ -76,6 +78,7 @@ def test_dry_run_prints_the_resolved_config_and_the_checks(
     assert resolved["trainer"]["batch_size"] == 16
     assert resolved["async"]["max_staleness"] == 1, "the async section keeps its public name"
     assert "checks passed" in out
+    assert "truncated IS off" in out, "auto resolves to off on a backend without the capability"
     assert not (tmp_path / "runs").exists(), "a dry run writes nothing"
 
 

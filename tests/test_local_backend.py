@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,14 @@ from backends.local.backend import LocalBackend
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.config import TrainerConfig, load_config
-from unified.errors import UsageError
+from unified.errors import CapabilityError, UsageError
+from unified.protocol import (
+    DEFAULT_TIS_CAP,
+    BackendCapabilities,
+    check_capabilities,
+    create_backend,
+    resolve_tis_cap,
+)
 from unified.types import Episode, ModelOutput, Step, Trajectory, TrajectoryGroup
 
 PROMPTS = ["3 5 7 -> 22", "12 4 -> 3", "1 2 3 -> 6", "9 9 -> 81"]
@@ -183,6 +191,8 @@ def test_a_few_optimizer_steps_on_countdown(make_config: ConfigFactory, mode: st
     assert result.steps == 2
     for key in ("train/loss", "train/kl_sample_train", "train/entropy", "train/grad_norm"):
         assert key in result.metrics, key
+    truncated_is = {"train/is_ratio_mean", "train/is_clipped_frac"}
+    assert (truncated_is <= set(result.metrics)) == (mode == "async"), "TIS on in async only"
 
 
 async def test_a_batched_request_gets_what_it_would_get_alone() -> None:
@@ -221,3 +231,118 @@ async def test_a_batch_may_mix_a_long_prompt_with_a_long_completion() -> None:
     assert backend.sampler.batches == 1
     assert all(o.completion_ids for o in outputs)
     await backend.shutdown()
+
+
+def async_config(**sections: Any) -> TrainerConfig:
+    return load_config(
+        {
+            "workflow": "examples.countdown.workflow:CountdownWorkflow",
+            "model": "builtin:tiny",
+            "mode": "async",
+            **sections,
+        }
+    )
+
+
+def teacher_forced_logprobs(model: torch.nn.Module, output: ModelOutput) -> list[float]:
+    """Each completion token's logprob under `model` (temperature 1), by one full forward."""
+    ids = torch.tensor([output.prompt_ids + output.completion_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    start, n = len(output.prompt_ids) - 1, len(output.completion_ids)
+    logp = torch.log_softmax(logits[start : start + n], -1)
+    return logp.gather(1, torch.tensor(output.completion_ids)[:, None])[:, 0].tolist()
+
+
+async def test_partial_rollout_across_a_weight_sync_keeps_its_tokens_and_records_versions() -> None:
+    backend = await started(async_config(**{"async": {"partial_rollout": True}}))
+    sampler = backend.sampler
+    uncut = await sample(backend, PROMPTS[0], 5, max_tokens=12)
+    assert len(uncut.completion_ids) == 12, "pick a seed that samples no end token"
+    old_model = copy.deepcopy(sampler.model)
+    sampler.load_weights(sampler.model.state_dict(), 0)  # makes the standby copy before the hook
+    with torch.no_grad():
+        for p in backend.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    trained = backend.model.state_dict()
+    cut_at, calls = 4, 0
+
+    def sync_mid_batch(*_: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == cut_at:  # the sync lands while this batch decodes its 4th token
+            sampler.load_weights(trained, 1)
+
+    hook = sampler.model.lm_head.register_forward_hook(sync_mid_batch)
+    batches = sampler.batches
+    async with asyncio.timeout(30):
+        out = await sample(backend, PROMPTS[0], 5, max_tokens=12)
+    hook.remove()
+
+    n = len(out.completion_ids)
+    assert sampler.batches - batches == 2, "cut at the sync, continued in the next batch"
+    assert out.policy_version == 0 and out.oldest_version == 0 and out.finish_reason != "aborted"
+    assert out.token_versions == [0] * cut_at + [1] * (n - cut_at)
+    assert out.completion_ids[:cut_at] == uncut.completion_ids[:cut_at], "tokens before it kept"
+    assert out.logprobs[:cut_at] == uncut.logprobs[:cut_at], "logprobs before it kept"
+    old_lp, new_lp = (
+        teacher_forced_logprobs(old_model, out),
+        teacher_forced_logprobs(backend.model, out),
+    )
+    assert out.logprobs[:cut_at] == pytest.approx(old_lp[:cut_at], abs=1e-4), "v0 tokens"
+    assert out.logprobs[cut_at:] == pytest.approx(new_lp[cut_at:], abs=1e-4), "v1 tokens"
+    assert out.logprobs[cut_at:] != pytest.approx(old_lp[cut_at:], abs=1e-3), "weights differ"
+    await backend.shutdown()
+
+
+async def test_truncated_is_weights_a_hand_made_mixed_version_batch() -> None:
+    backend = await started(async_config(trainer={"loss": "importance_sampling"}))
+    assert backend.tis_cap == DEFAULT_TIS_CAP, "on by default in async mode"
+    sampled = await sample(backend, PROMPTS[1], 3, max_tokens=6)
+    n = len(sampled.completion_ids)
+    prox = torch.tensor(teacher_forced_logprobs(backend.model, sampled), dtype=torch.float64)
+    # Tokens from version 0 that the sampler found far less likely than the trainer does now
+    # (ratio over the cap), then version-1 tokens close to the trainer's.
+    ratio = torch.tensor([5.0, 3.0, 1.5, 0.5, 1.0, 0.8][:n], dtype=torch.float64)
+    old = (prox - ratio.log()).clamp(max=0.0)
+    ratio = (prox - old).exp()
+    stale = sampled.model_copy(
+        update={"logprobs": old.tolist(), "token_versions": [0, 0] + [1] * (n - 2)}
+    )
+    reference = copy.deepcopy(backend.model)
+    metrics = await backend.forward_backward([group_of([stale], [1.5])])
+
+    weight = ratio.clamp(max=DEFAULT_TIS_CAP)
+    assert metrics["train/is_ratio_mean"] == pytest.approx(weight.mean().item(), rel=1e-4)
+    assert metrics["train/is_clipped_frac"] == pytest.approx(2 / n)
+    assert metrics["train/ratio_mean"] == pytest.approx(ratio.mean().item(), rel=1e-4)
+    # The gradient is the capped-weight policy gradient -sum(w * A * grad logp).
+    from backends.local.backend import _Sample
+
+    chunk = [_Sample(stale.prompt_ids, stale.completion_ids, stale.logprobs, 1.5)]
+    logp, _, _ = backend._score(reference, chunk, with_entropy=False)
+    (-(weight.float() * 1.5 * logp).sum()).backward()
+    for (name, p), q in zip(backend.model.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    await backend.shutdown()
+
+
+def test_tis_cap_auto_is_on_in_async_mode_for_backends_that_honour_it() -> None:
+    local = LocalBackend.capabilities
+    assert resolve_tis_cap(async_config(), local) == DEFAULT_TIS_CAP
+    assert resolve_tis_cap(local_config(), local) is None, "off in sync mode"
+    assert resolve_tis_cap(async_config(trainer={"tis_cap": None}), local) is None
+    assert resolve_tis_cap(local_config(tis_cap=3), local) == 3.0, "explicit applies in sync too"
+    assert resolve_tis_cap(async_config(), BackendCapabilities()) is None, "auto: off elsewhere"
+
+
+@pytest.mark.parametrize("spec", ["tinker", "verl"])
+def test_backends_without_truncated_is_refuse_a_tis_cap_and_turn_auto_off(spec: str) -> None:
+    backend = create_backend(spec)
+    with pytest.raises(
+        CapabilityError, match=rf"trainer\.tis_cap=2\.0 is not supported by backend '{spec}'"
+    ):
+        check_capabilities(async_config(trainer={"tis_cap": 2}), backend)
+    check_capabilities(async_config(), backend)  # auto: accepted, and off
+    assert resolve_tis_cap(async_config(), backend.capabilities) is None

@@ -49,14 +49,22 @@ _RUN_NUMBERS = itertools.count()
 
 
 class VersionCheckingBandit(BanditBackend):
-    """Checks that each trained group's version is the oldest of its steps' versions."""
+    """Checks that each trained group's version is the oldest version of any of its tokens."""
+
+    spanning_requests = 0  # requests whose tokens came from more than one version
 
     async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         for group in groups:
-            steps = [s for e in group.episodes for t in e.trajectories for s in t.steps]
-            oldest = min(s.output.policy_version for s in steps)
-            assert group.policy_version <= oldest, f"{group.group_id} is newer than its steps"
+            outputs = [s.output for e in group.episodes for t in e.trajectories for s in t.steps]
+            oldest = min(o.oldest_version for o in outputs)
+            assert group.policy_version <= oldest, f"{group.group_id} is newer than its tokens"
             assert group.policy_version >= min(e.policy_version for e in group.episodes)
+            for o in outputs:
+                if o.token_versions is None:
+                    continue
+                assert o.token_versions == sorted(o.token_versions), "versions only go forward"
+                assert o.token_versions[0] == o.policy_version, "first token at dispatch version"
+                self.spanning_requests += len(set(o.token_versions)) > 1
         return await super().forward_backward(groups)
 
 
@@ -98,6 +106,8 @@ def test_async_never_trains_a_group_staler_than_max_staleness(
             "group_size": group_size,
             "seed": seed,
             "micro_batch_size": micro,
+            # Slow learning: a policy collapsed onto one arm makes every group filtered.
+            "lr": 0.05,
         },
         async_={"max_staleness": staleness, "sync_every": sync_every, "partial_rollout": partial},
     )
@@ -111,6 +121,32 @@ def test_async_never_trains_a_group_staler_than_max_staleness(
         lag = e.trainer_version - e.policy_version
         assert 0 <= lag <= staleness, f"{e.group_id} trained {lag} versions stale (s={staleness})"
     assert sorted(seqs(entries)) == list(range(len(entries))), "each group ends exactly once"
+
+
+def test_partial_rollout_requests_span_weight_syncs(make_config: ConfigFactory) -> None:
+    """Requests cut by a sync keep their first token's version; the staleness bound holds."""
+    config = make_config(
+        name="spanning",
+        mode="async",
+        trainer={"total_steps": 6, "batch_size": 2, "group_size": 3},
+        async_={"max_staleness": 1, "sync_every": 1, "partial_rollout": True},
+    )
+
+    async def until_a_sync(seed: int) -> None:
+        """Hold a request's end token until the next weight sync (or 200 yields)."""
+        start = backend.sampler_version
+        for _ in range(200):
+            if backend.sampler_version != start:
+                return
+            await asyncio.sleep(0)
+
+    backend = VersionCheckingBandit(
+        latency=heavy_tailed_latency(), capabilities=PARTIAL, end_latency=until_a_sync
+    )
+    result = fit(config, backend, workflow=multi_call_workflow(2))
+    assert backend.spanning_requests > 0, "no request spanned a weight sync"
+    for e in ledger(result.run_dir):
+        assert e.outcome != "trained" or e.trainer_version - e.policy_version <= 1, e.group_id
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])

@@ -83,3 +83,38 @@ def test_token_weights_aggregate_by_tokens_or_sequences() -> None:
     assert weights.tolist() == [1, 1, 1, 1, 1] and norm == 5
     weights, norm = token_weights([2, 4], "seq_mean_token_mean")
     assert weights.tolist() == [0.5, 0.5, 0.25, 0.25, 0.25, 0.25] and norm == 2
+
+
+@pytest.mark.parametrize("loss", ["importance_sampling", "ppo", "cispo"])
+def test_truncated_is_gives_every_policy_loss_the_capped_policy_gradient(loss: str) -> None:
+    theta = torch.tensor([0.3, -0.2, 0.5, 0.0], dtype=torch.float64, requires_grad=True)
+    tokens, adv_T = [0, 1, 2, 3], torch.tensor([1.0, -2.0, 0.5, 1.5], dtype=torch.float64)
+    logp_T = categorical_logp(theta, tokens)
+    # Mixed versions: stale tokens the sampler found less likely (ratio 4 and 2.5, over the cap
+    # of 2), and fresher ones (ratio 1.2 and 0.7).
+    ratio_T = torch.tensor([4.0, 2.5, 1.2, 0.7], dtype=torch.float64)
+    old_T = logp_T.detach() - ratio_T.log()
+    terms = per_token_loss(loss, logp_T, old_T, adv_T, clip_ratio=0.2, tis_cap=2.0)
+    terms.loss_T.sum().backward()
+
+    weight_T = ratio_T.clamp(max=2.0)
+    assert terms.is_weight_T is not None and terms.is_capped_T is not None
+    torch.testing.assert_close(terms.is_weight_T, weight_T)
+    assert terms.is_capped_T.tolist() == [True, True, False, False]
+    torch.testing.assert_close(terms.ratio_T, ratio_T, msg="ratio_T stays trainer over sampler")
+    expected = torch.autograd.grad(
+        -(weight_T * adv_T * categorical_logp(theta, tokens)).sum(), theta
+    )
+    assert theta.grad is not None
+    torch.testing.assert_close(theta.grad, expected[0])
+    assert not terms.clipped_T.any(), "the ratio to the proximal policy is 1: nothing clipped"
+
+
+def test_without_tis_cap_the_loss_is_unchanged() -> None:
+    logp_T = torch.tensor([-1.0, -2.0], dtype=torch.float64)
+    old_T, adv_T = torch.tensor([-1.5, -1.0], dtype=torch.float64), torch.tensor([1.0, -1.0])
+    terms = per_token_loss("ppo", logp_T, old_T, adv_T.double())
+    assert terms.is_weight_T is None and terms.is_capped_T is None
+    ratio_T = (logp_T - old_T).exp()
+    expected = -torch.minimum(ratio_T * adv_T, ratio_T.clamp(0.8, 1.2) * adv_T)
+    torch.testing.assert_close(terms.loss_T, expected)

@@ -120,16 +120,19 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _train(config_path: str, overrides: Sequence[str], *, dry_run: bool) -> int:
     from unified.config import load_config
+    from unified.protocol import resolve_tis_cap
     from unified.trainer import UnifiedTrainer
 
     config = load_config(config_path, overrides)
     trainer = UnifiedTrainer(config)
     if dry_run:
+        cap = resolve_tis_cap(config, trainer.backend.capabilities)
         print(config.to_yaml(), end="")
         print(
             f"# checks passed: backend {config.backend!r} honours every knob; workflow "
             f"{config.workflow!r} imports; {len(trainer.train_tasks)} train and "
-            f"{len(trainer.eval_tasks)} eval tasks"
+            f"{len(trainer.eval_tasks)} eval tasks; truncated IS "
+            f"{'off' if cap is None else f'cap {cap}'}"
         )
         return 0
     result = trainer.fit()

@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from unified.errors import ConfigError
 from unified.types import SamplingParams
@@ -63,6 +70,12 @@ class TrainerSection(_Section):
     )
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up.")
     clip_ratio: float = Field(0.2, gt=0, description="PPO/CISPO clip range of the ratio.")
+    tis_cap: float | Literal["auto"] | None = Field(
+        "auto",
+        description="Truncated importance sampling of stale tokens: each token's loss is weighted "
+        "by min(pi_prox / pi_sampler, tis_cap), pi_prox being the trainer's logprob before the "
+        "step. 'auto': 2.0 in async mode where the backend supports it, else off; null: off.",
+    )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference.")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
     filter_groups: bool = Field(
@@ -90,6 +103,13 @@ class TrainerSection(_Section):
     stall_timeout: float = Field(
         600.0, gt=0, description="Seconds any wait may go without progress before it fails."
     )
+
+    @field_validator("tis_cap")
+    @classmethod
+    def _cap_at_least_one(cls, cap: float | str | None) -> float | str | None:
+        if isinstance(cap, float) and cap < 1.0:
+            raise ValueError("must be >= 1 (a cap below 1 down-weights on-policy tokens)")
+        return cap
 
 
 class AsyncConfig(_Section):
@@ -168,6 +188,11 @@ class TrainerConfig(_Section):
             raise ValueError(
                 f"trainer.micro_batch_size ({t.micro_batch_size}) must be <= trainer.batch_size "
                 f"({t.batch_size})"
+            )
+        if t.loss == "cross_entropy" and isinstance(t.tis_cap, float):
+            raise ValueError(
+                "trainer.tis_cap corrects policy losses; with trainer.loss=cross_entropy set "
+                "trainer.tis_cap=null"
             )
         return self
 

@@ -22,16 +22,19 @@ if TYPE_CHECKING:
 __all__ = [
     "ALL_ADVANTAGES",
     "ALL_LOSSES",
+    "DEFAULT_TIS_CAP",
     "BackendCapabilities",
     "BackendProtocol",
     "RolloutEngine",
     "Tokenizer",
     "check_capabilities",
     "create_backend",
+    "resolve_tis_cap",
 ]
 
 ALL_LOSSES = frozenset({"cross_entropy", "importance_sampling", "ppo", "cispo"})
 ALL_ADVANTAGES = frozenset({"grpo", "dr_grpo", "rloo", "reinforce"})
+DEFAULT_TIS_CAP = 2.0  # what trainer.tis_cap "auto" means in async mode
 
 
 @runtime_checkable
@@ -79,6 +82,9 @@ class BackendCapabilities(BaseModel):
     advantages: frozenset[str] = Field(ALL_ADVANTAGES, description="Advantage estimators allowed.")
     partial_rollout: bool = Field(
         False, description="Requests may keep running across a weight sync (abort and resume)."
+    )
+    truncated_is: bool = Field(
+        False, description="Honours trainer.tis_cap (truncated importance sampling)."
     )
     kl_penalty: bool = Field(True, description="Honours trainer.kl_coef > 0.")
     entropy_bonus: bool = Field(True, description="Honours trainer.entropy_coef > 0.")
@@ -193,6 +199,8 @@ def check_capabilities(config: TrainerConfig, backend: BackendProtocol) -> None:
         raise refuse("trainer.lr_schedule", trainer.lr_schedule, f"it supports: {supported}")
     if async_.partial_rollout and not caps.partial_rollout:
         raise refuse("async.partial_rollout", True, "set async.partial_rollout=false")
+    if isinstance(trainer.tis_cap, float) and not caps.truncated_is:
+        raise refuse("trainer.tis_cap", trainer.tis_cap, "set trainer.tis_cap=null or auto")
     if trainer.kl_coef > 0 and not caps.kl_penalty:
         raise refuse("trainer.kl_coef", trainer.kl_coef, "set trainer.kl_coef=0")
     if trainer.entropy_coef > 0 and not caps.entropy_bonus:
@@ -201,3 +209,20 @@ def check_capabilities(config: TrainerConfig, backend: BackendProtocol) -> None:
         raise refuse(
             "async.max_concurrency", async_.max_concurrency, f"its limit is {caps.max_concurrency}"
         )
+
+
+def resolve_tis_cap(config: TrainerConfig, capabilities: BackendCapabilities) -> float | None:
+    """The truncated-IS cap a run uses, `trainer.tis_cap` with "auto" resolved; None when off.
+
+    "auto" is on in async mode (stale and, with partial rollouts, mixed-version tokens) for
+    backends that honour it, and off in sync mode and for the supervised loss.
+    """
+    cap = config.trainer.tis_cap
+    if not isinstance(cap, str):
+        return cap
+    on = (
+        config.mode == "async"
+        and capabilities.truncated_is
+        and config.trainer.loss != "cross_entropy"
+    )
+    return DEFAULT_TIS_CAP if on else None

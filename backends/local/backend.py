@@ -3,7 +3,9 @@
 The trainer model learns; the sampler holds its own copy of the weights that only
 `on_policy_updated` refreshes, so async rollouts really come from an older policy and
 `train/kl_sample_train` measures that gap. A sync swaps the new weights in between sampler
-batches (a running batch finishes on the old ones), so it waits for no request. Gradients of
+batches (a running batch finishes on the old ones, or with `async.partial_rollout` is cut and
+continues on the new ones), so it waits for no request. Stale tokens are corrected by truncated
+importance sampling (`trainer.tis_cap`, on by default in async mode; see `losses.py`). Gradients of
 several `forward_backward` calls accumulate until `optim_step` (AdamW, gradient clipping). Every
 blocking call runs in a worker thread. Checkpoints are safetensors: model, sampler, optimizer
 and RNG.
@@ -29,7 +31,13 @@ from backends.local.losses import LossAggregation, per_token_loss, token_weights
 from backends.local.sampler import BatchingSampler
 from unified.config import TrainerConfig
 from unified.errors import BackendError, ConfigError
-from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine, Tokenizer
+from unified.protocol import (
+    BackendCapabilities,
+    BackendProtocol,
+    RolloutEngine,
+    Tokenizer,
+    resolve_tis_cap,
+)
 from unified.types import ModelOutput, SamplingParams, TrajectoryGroup
 
 __all__ = ["LocalBackend", "LocalConfig", "LocalEngine", "SamplerHost"]
@@ -105,10 +113,11 @@ class LocalBackend(BackendProtocol):
     """In-process PyTorch policy: sampler with KV cache, four losses, AdamW."""
 
     name: ClassVar[str] = "local"
-    capabilities = BackendCapabilities()
+    capabilities = BackendCapabilities(partial_rollout=True, truncated_is=True)
 
     def __init__(self) -> None:
         self.settings = LocalConfig()
+        self.tis_cap: float | None = None  # resolved at setup
         self._grad_norm_denominator = 0.0
         self._training = threading.Lock()
 
@@ -131,7 +140,13 @@ class LocalBackend(BackendProtocol):
         model, self.tokenizer = load_policy(config.model, seed=s.seed)
         # eval(): no dropout while scoring, exactly like the sampler; gradients still flow.
         self.model = model.to(self.device).eval()
-        self.sampler = BatchingSampler(self.model, self.tokenizer, max_batch=s.max_batch)
+        self.sampler = BatchingSampler(
+            self.model,
+            self.tokenizer,
+            max_batch=s.max_batch,
+            partial_rollout=config.async_.partial_rollout,
+        )
+        self.tis_cap = resolve_tis_cap(config, self.capabilities)
         self.reference = None
         if config.trainer.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -189,6 +204,8 @@ class LocalBackend(BackendProtocol):
             "entropy": 0.0,
             "clipped": 0.0,
             "ratio": 0.0,
+            "is_weight": 0.0,
+            "is_capped": 0.0,
             "tokens": 0.0,
         }
         step_norm = 0.0
@@ -197,20 +214,26 @@ class LocalBackend(BackendProtocol):
             step_norm += self._backward_chunk(chunk, totals)
         self._grad_norm_denominator += step_norm
         n = max(1.0, totals["tokens"])
-        return {
+        metrics = {
             "train/loss": totals["loss"] / max(step_norm, 1e-12),
             "train/kl_sample_train": totals["kl"] / n,
             "train/entropy": totals["entropy"] / n,
             "train/clip_frac": totals["clipped"] / n,
             "train/ratio_mean": totals["ratio"] / n,
         }
+        if self.tis_cap is not None:
+            metrics["train/is_ratio_mean"] = totals["is_weight"] / n
+            metrics["train/is_clipped_frac"] = totals["is_capped"] / n
+        return metrics
 
     def _backward_chunk(self, chunk: list[_Sample], totals: dict[str, float]) -> float:
         t = self.config.trainer
         logp_T, entropy_T, lengths = self._score(self.model, chunk, with_entropy=True)
         old_T = torch.tensor([lp for s in chunk for lp in s.old_logprobs], device=self.device)
         adv_T = torch.tensor([s.advantage for s in chunk for _ in s.completion], device=self.device)
-        terms = per_token_loss(t.loss, logp_T, old_T, adv_T, clip_ratio=t.clip_ratio)
+        terms = per_token_loss(
+            t.loss, logp_T, old_T, adv_T, clip_ratio=t.clip_ratio, tis_cap=self.tis_cap
+        )
         loss_T = terms.loss_T
         if self.reference is not None and t.kl_coef > 0:
             with torch.no_grad():
@@ -227,6 +250,9 @@ class LocalBackend(BackendProtocol):
         totals["entropy"] += float(entropy_T.detach().sum())
         totals["clipped"] += float(terms.clipped_T.sum())
         totals["ratio"] += float(terms.ratio_T.sum())
+        if terms.is_weight_T is not None and terms.is_capped_T is not None:
+            totals["is_weight"] += float(terms.is_weight_T.sum())
+            totals["is_capped"] += float(terms.is_capped_T.sum())
         totals["tokens"] += float(len(logp_T))
         return norm
 

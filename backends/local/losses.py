@@ -10,6 +10,18 @@ sampler's `old_logp_T` and the advantages `adv_T`, one entry per completion toke
 
 With `r = exp(logp - old)`. At r = 1 `ppo` equals `importance_sampling` in value and gradient.
 Optional terms: `kl_coef * k3(ref || train)` and `-entropy_coef * entropy`.
+
+Truncated importance sampling (`tis_cap`, the decoupled objective of AReaL): the ratio of each
+loss is taken against the proximal policy `prox = sg(logp)`, the trainer's own logprob before
+this optimizer step, and each token's loss is weighted by `w = min(exp(prox - old), tis_cap)`
+(no gradient), which corrects for the sampler's older (or mixed) versions:
+
+- `importance_sampling`:  -w * exp(logp - prox) * A
+- `ppo`:                  -w * min(r' A, clip(r', 1-e, 1+e) A)   with r' = exp(logp - prox)
+- `cispo`:                -w * sg(clip(r', 1-e, 1+e)) * A * logp
+
+One optimizer step per batch makes `r' = 1` in value, so all three give the gradient
+`-w * A * grad(logp)`: the cap, not the clip, bounds how far a stale token pulls.
 """
 
 from __future__ import annotations
@@ -26,11 +38,17 @@ LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_s
 
 @dataclass
 class LossTerms:
-    """Per-token loss and the statistics the backend reports."""
+    """Per-token loss and the statistics the backend reports.
+
+    `ratio_T` is `exp(logp - old)` (trainer over sampler); `is_weight_T` and `is_capped_T` are the
+    truncated IS weights and where the cap bound, both None without `tis_cap`.
+    """
 
     loss_T: torch.Tensor
     clipped_T: torch.Tensor
     ratio_T: torch.Tensor
+    is_weight_T: torch.Tensor | None = None
+    is_capped_T: torch.Tensor | None = None
 
 
 def per_token_loss(
@@ -40,9 +58,18 @@ def per_token_loss(
     adv_T: torch.Tensor,
     *,
     clip_ratio: float = 0.2,
+    tis_cap: float | None = None,
 ) -> LossTerms:
     """The policy loss of each token (before KL, entropy and aggregation)."""
     ratio_T = torch.exp(logp_T - old_logp_T)
+    is_weight_T = is_capped_T = None
+    anchor_T = old_logp_T
+    if tis_cap is not None and loss != "cross_entropy":
+        anchor_T = logp_T.detach()
+        raw_T = ratio_T.detach()  # exp(prox - old): prox is logp's value
+        is_weight_T = raw_T.clamp(max=tis_cap)
+        is_capped_T = raw_T > tis_cap
+        ratio_T = torch.exp(logp_T - anchor_T)
     low, high = 1.0 - clip_ratio, 1.0 + clip_ratio
     clipped_T = torch.zeros_like(adv_T, dtype=torch.bool)
     if loss == "cross_entropy":
@@ -60,7 +87,15 @@ def per_token_loss(
         clipped_T = (ratio_T.detach() < low) | (ratio_T.detach() > high)
     else:
         raise ValueError(f"unknown loss {loss!r}")
-    return LossTerms(loss_T=loss_T, clipped_T=clipped_T, ratio_T=ratio_T.detach())
+    if is_weight_T is not None:
+        loss_T = is_weight_T * loss_T
+    return LossTerms(
+        loss_T=loss_T,
+        clipped_T=clipped_T,
+        ratio_T=torch.exp(logp_T.detach() - old_logp_T),
+        is_weight_T=is_weight_T,
+        is_capped_T=is_capped_T,
+    )
 
 
 def token_weights(lengths: list[int], mode: LossAggregation) -> tuple[torch.Tensor, float]:

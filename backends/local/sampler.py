@@ -11,6 +11,12 @@ from an older policy. `load_weights` (the weight sync) loads the new weights int
 standby copy and swaps it in: a batch already running finishes on the weights it started with,
 the next batch uses the new ones, and the sync waits for no batch (only for one still running on
 the standby copy, when two syncs land inside one batch).
+
+With `partial_rollout=True` a sync also cuts the running batch at its next token boundary: each
+unfinished request keeps the tokens and logprobs it has, goes back to the front of the queue, and
+continues in the next batch under the new weights (its prompt and tokens so far are prefilled
+again, so the KV cache matches the weights). Every token's logprob comes from the weights that
+sampled it, and the output records each token's version in `token_versions`.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +40,16 @@ __all__ = ["BatchingSampler", "Request", "check_request", "generate_batch"]
 
 @dataclass
 class Request:
-    """One sampling request and, once the batch ran, its result."""
+    """One sampling request and, once the batch ran, its result.
+
+    `prefix` is what the request sampled before a weight sync cut it (partial rollouts): the next
+    batch continues from there.
+    """
 
     prompt_ids: list[int]
     params: SamplingParams
     future: asyncio.Future[ModelOutput] | None = field(default=None, repr=False)
+    prefix: ModelOutput | None = field(default=None, repr=False)
 
 
 def check_request(
@@ -68,34 +79,45 @@ def generate_batch(
     *,
     version: int,
     max_positions: int | None = None,
+    cut: Callable[[], bool] | None = None,
 ) -> list[ModelOutput]:
-    """Sample every request of one batch; blocking (call it from a worker thread)."""
+    """Sample every request of one batch; blocking (call it from a worker thread).
+
+    A request with a `prefix` continues it. When `cut()` turns true (checked after each token),
+    the batch stops there and its unfinished requests come back with `finish_reason="aborted"`
+    and the tokens sampled so far.
+    """
     for r in requests:
         check_request(r.prompt_ids, r.params, max_positions)
     B = len(requests)
-    lengths = [len(r.prompt_ids) for r in requests]
-    max_new = max(r.params.max_tokens for r in requests)
-    L = max(lengths)
+    tokens = [list(r.prefix.completion_ids) if r.prefix else [] for r in requests]
+    logprobs = [list(r.prefix.logprobs) if r.prefix else [] for r in requests]
+    versions = [_token_versions(r.prefix) for r in requests]
+    contexts = [r.prompt_ids + done for r, done in zip(requests, tokens, strict=True)]
+    offsets = [len(done) for done in tokens]
+    max_new = max(r.params.max_tokens - n for r, n in zip(requests, offsets, strict=True))
+    L = max(len(c) for c in contexts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     device = next(model.parameters()).device
     ids_BL = torch.full((B, L), pad, dtype=torch.long)
     mask_BL = torch.zeros(B, L, dtype=torch.long)
-    for b, r in enumerate(requests):
-        ids_BL[b, L - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-        mask_BL[b, L - len(r.prompt_ids) :] = 1
+    for b, context in enumerate(contexts):
+        ids_BL[b, L - len(context) :] = torch.tensor(context)
+        mask_BL[b, L - len(context) :] = 1
     ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
     temperature_B = torch.tensor([r.params.temperature for r in requests], device=device)
     greedy_B = temperature_B == 0
     safe_t_B = torch.where(greedy_B, 1.0, temperature_B)[:, None]
     top_p_B = torch.tensor([r.params.top_p for r in requests], device=device)
     any_top_p = bool((top_p_B < 1).any())
-    uniforms_BN = torch.stack([_uniforms(r.params.seed, max_new) for r in requests]).to(device)
+    # A continued request picks up its seed's uniforms where it was cut.
+    uniforms_BN = torch.stack(
+        [_uniforms(r.params.seed, n + max_new)[n:] for r, n in zip(requests, offsets, strict=True)]
+    ).to(device)
     eos = {t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None}
 
     stepper = make_stepper(model, B, L + max_new)
     logits_BV = stepper.prefill(ids_BL, mask_BL).float()
-    tokens: list[list[int]] = [[] for _ in range(B)]
-    logprobs: list[list[float]] = [[] for _ in range(B)]
     finish: list[FinishReason | None] = [None] * B
     rows = list(range(B))  # request index of each row still in the batch
     for t in range(max_new):
@@ -109,12 +131,17 @@ def generate_batch(
             r = requests[b]
             tokens[b].append(next_list[i])
             logprobs[b].append(chosen_list[i])
+            versions[b].append(version)
             if next_list[i] in eos or _hit_stop(tokenizer, tokens[b], r.params.stop):
                 finish[b] = "stop"
             elif len(tokens[b]) >= r.params.max_tokens:
                 finish[b] = "length"
         keep = [i for i, b in enumerate(rows) if finish[b] is None]
         if not keep:
+            break
+        if cut is not None and cut():
+            for i in keep:
+                finish[rows[i]] = "aborted"
             break
         index = torch.tensor(keep, device=device) if len(keep) <= len(rows) * 3 // 4 else None
         if index is not None and stepper.keep(index):
@@ -130,11 +157,21 @@ def generate_batch(
             completion_ids=tokens[b],
             logprobs=[min(0.0, lp) for lp in logprobs[b]],
             finish_reason=finish[b] or "length",
-            policy_version=version,
+            policy_version=r.prefix.policy_version if r.prefix else version,
+            # Recorded only when the request spans a sync; otherwise every token has policy_version.
+            token_versions=versions[b] if r.prefix or finish[b] == "aborted" else None,
             temperature=r.params.temperature,
         )
         for b, r in enumerate(requests)
     ]
+
+
+def _token_versions(prefix: ModelOutput | None) -> list[int]:
+    if prefix is None:
+        return []
+    if prefix.token_versions is not None:
+        return list(prefix.token_versions)
+    return [prefix.policy_version] * len(prefix.completion_ids)
 
 
 def _uniforms(seed: int | None, n: int) -> torch.Tensor:
@@ -205,6 +242,7 @@ class BatchingSampler:
         tokenizer: PreTrainedTokenizerBase,
         *,
         max_batch: int = 64,
+        partial_rollout: bool = False,
     ) -> None:
         sampling = copy.deepcopy(model).eval()
         for p in sampling.parameters():
@@ -215,6 +253,7 @@ class BatchingSampler:
         self._loading = threading.Lock()  # one weight load at a time
         self.tokenizer = tokenizer
         self.max_batch = max_batch
+        self.partial_rollout = partial_rollout
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self.batches = 0
         self._queue: list[Request] = []
@@ -234,7 +273,8 @@ class BatchingSampler:
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Make `state_dict` the sampling weights of `version` for every batch that starts later.
 
-        Blocking (call it from a worker thread). A running batch keeps the weights it started with.
+        Blocking (call it from a worker thread). A running batch keeps the weights it started with,
+        or, with `partial_rollout`, stops at its next token and continues on these in the next.
         """
         with self._loading:
             standby = self._standby
@@ -295,13 +335,21 @@ class BatchingSampler:
                 if done.cancelled()
                 else done.exception()
             )
+            cut: list[Request] = []
             for i, r in enumerate(batch):
                 if r.future is None or r.future.done():
                     continue
                 if error is not None:
                     r.future.set_exception(error)
+                    continue
+                output = done.result()[i]
+                if output.finish_reason == "aborted":
+                    r.prefix = output
+                    cut.append(r)
                 else:
-                    r.future.set_result(done.result()[i])
+                    r.future.set_result(output)
+            # Cut requests go first: they have waited longest.
+            self._queue[:0] = cut
             if self._batch_done is not None and not self._batch_done.done():
                 self._batch_done.set_result(None)
 
@@ -311,6 +359,10 @@ class BatchingSampler:
         with self._swap:
             weights = self._current
             weights.in_use.acquire()
+
+        def swapped() -> bool:
+            return self._current is not weights
+
         try:
             return generate_batch(
                 weights.model,
@@ -318,6 +370,7 @@ class BatchingSampler:
                 batch,
                 version=weights.version,
                 max_positions=self.max_positions,
+                cut=swapped if self.partial_rollout else None,
             )
         finally:
             weights.in_use.release()

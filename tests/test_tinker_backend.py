@@ -27,7 +27,7 @@ from unified.types import Episode, ModelOutput, Step, Task, Trajectory, Trajecto
 
 KEY = "tml-test"
 COUNTDOWN_LR = 5e-3
-COUNTDOWN_GAIN = 0.03
+COUNTDOWN_GAIN = 0.1  # measured: +0.24 in both modes (0.26 -> 0.50)
 
 
 class DigitsWorkflow:

@@ -254,27 +254,21 @@ def _refuse_renamed(override: str) -> None:
 def training_worker_config(composed: Any) -> tuple[Any, Any]:
     """(`TrainingWorkerConfig`, actor config) for the policy, as verl's actor worker builds them."""
     from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.config import TrainingWorkerConfig
 
     section = composed.actor_rollout_ref
     model_config = omega_conf_to_dataclass(section.model)
     actor_config = omega_conf_to_dataclass(section.actor)
     actor_config.model_config = model_config
-    worker_config = TrainingWorkerConfig(
-        model_type="language_model",
-        model_config=model_config,
-        engine_config=actor_config.engine,
-        optimizer_config=actor_config.optim,
-        checkpoint_config=actor_config.checkpoint,
-        profiler_config=None,
+    worker_config = _worker_config(
+        model_config,
+        actor_config,
+        dynamic_bsz=section.actor.use_dynamic_bsz,
+        infer_max_tokens=section.rollout.log_prob_max_token_len_per_gpu,
+        infer_micro_batch=section.rollout.log_prob_micro_batch_size_per_gpu,
     )
     engine = worker_config.engine_config
-    engine.use_dynamic_bsz = section.actor.use_dynamic_bsz
-    engine.infer_max_token_len_per_gpu = section.rollout.log_prob_max_token_len_per_gpu
-    engine.infer_micro_batch_size_per_gpu = section.rollout.log_prob_micro_batch_size_per_gpu
     engine.max_token_len_per_gpu = section.actor.ppo_max_token_len_per_gpu
     engine.micro_batch_size_per_gpu = section.actor.ppo_micro_batch_size_per_gpu
-    engine.use_remove_padding = model_config.get("use_remove_padding", False)
     return worker_config, actor_config
 
 
@@ -288,7 +282,7 @@ def reference_worker_config(composed: Any) -> Any | None:
 
     from omegaconf import OmegaConf, open_dict
     from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.config import MtpConfig, TrainingWorkerConfig
+    from verl.workers.config import MtpConfig
 
     section = composed.actor_rollout_ref
     if not section.actor.use_kl_loss:
@@ -300,20 +294,39 @@ def reference_worker_config(composed: Any) -> Any | None:
         ref.ppo_micro_batch_size_per_gpu = ref.pop("log_prob_micro_batch_size_per_gpu", None)
         ref.use_dynamic_bsz = ref.pop("log_prob_use_dynamic_bsz", False)
         ref.ppo_max_token_len_per_gpu = ref.pop("log_prob_max_token_len_per_gpu", None)
-    ref_config = omega_conf_to_dataclass(ref)
     model_config = deepcopy(omega_conf_to_dataclass(section.model))
     model_config.mtp = MtpConfig(enable=False)
+    return _worker_config(
+        model_config,
+        omega_conf_to_dataclass(ref),
+        dynamic_bsz=ref.use_dynamic_bsz,
+        infer_max_tokens=ref.ppo_max_token_len_per_gpu,
+        infer_micro_batch=ref.ppo_micro_batch_size_per_gpu,
+    )
+
+
+def _worker_config(
+    model_config: Any,
+    role_config: Any,
+    *,
+    dynamic_bsz: bool,
+    infer_max_tokens: int | None,
+    infer_micro_batch: int | None,
+) -> Any:
+    """verl's `TrainingWorkerConfig` of a language model from a role's (actor/ref) config."""
+    from verl.workers.config import TrainingWorkerConfig
+
     worker_config = TrainingWorkerConfig(
         model_type="language_model",
         model_config=model_config,
-        engine_config=ref_config.engine,
-        optimizer_config=ref_config.optim,
-        checkpoint_config=ref_config.checkpoint,
+        engine_config=role_config.engine,
+        optimizer_config=role_config.optim,
+        checkpoint_config=role_config.checkpoint,
         profiler_config=None,
     )
     engine = worker_config.engine_config
-    engine.use_dynamic_bsz = ref.use_dynamic_bsz
-    engine.infer_max_token_len_per_gpu = ref.ppo_max_token_len_per_gpu
-    engine.infer_micro_batch_size_per_gpu = ref.ppo_micro_batch_size_per_gpu
+    engine.use_dynamic_bsz = dynamic_bsz
+    engine.infer_max_token_len_per_gpu = infer_max_tokens
+    engine.infer_micro_batch_size_per_gpu = infer_micro_batch
     engine.use_remove_padding = model_config.get("use_remove_padding", False)
     return worker_config

@@ -120,22 +120,36 @@ def max_gap(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
 
-async def test_weight_sync_and_checkpoint_round_trip_on_the_cpu_worker_group(
+async def test_weight_sync_checkpoints_and_the_kl_reference_on_the_cpu_worker_group(
     tmp_path: Path,
 ) -> None:
+    # One Ray start for the whole update path: train with a KL penalty, sync, save, load.
+    config = countdown_config(tmp_path)
+    config.trainer.kl_coef = 0.5
     backend = VerlBackend()
-    await backend.setup(countdown_config(tmp_path))
+    await backend.setup(config)
     try:
         before = await rollout_groups(backend, seed=1)
         assert max_gap(await backend.score(before), sampled(before)) < 1e-4, (
             "before training, the workers and the sampler hold the same weights"
         )
+        reference_before = await backend.score(before, reference=True)
+        assert max_gap(reference_before, sampled(before)) < 1e-4, (
+            "the reference starts from the policy's initial weights"
+        )
+        kls = []
         for _ in range(2):
             await backend.forward_backward(before)
             metrics = await backend.optim_step()
             assert metrics["train/grad_norm"] > 0
+            kls.append(metrics["train/kl_reference"])
+        assert kls[0] == pytest.approx(0.0, abs=1e-6), "no KL before the policy moves"
+        assert kls[1] > 1e-6, "the second step is penalised for leaving the reference"
         assert max_gap(await backend.score(before), sampled(before)) > 1e-3, (
             "training moved the policy"
+        )
+        assert max_gap(await backend.score(before, reference=True), reference_before) < 1e-6, (
+            "the reference stays frozen while the policy trains"
         )
 
         await backend.on_policy_updated(1)

@@ -12,6 +12,7 @@ from backends.verl.config import (
     compose_verl_config,
     hydra_overrides,
     parse_verl_config,
+    reference_worker_config,
     training_worker_config,
 )
 from unified.config import TrainerConfig, load_config
@@ -50,6 +51,25 @@ def test_sync_config_translates_to_a_validated_verl_config(model_dir: Path) -> N
     worker_config, actor_config = training_worker_config(verl_config)
     assert worker_config.engine_config.micro_batch_size_per_gpu == 8
     assert actor_config.clip_ratio_c > 1e8, "verl's dual clip is off, like the local backend"
+
+
+def test_a_kl_coef_becomes_verls_kl_loss_against_a_frozen_reference(model_dir: Path) -> None:
+    trainer = {"batch_size": 4, "group_size": 3, "loss": "ppo", "kl_coef": 0.05}
+    verl_config = composed(run_config(trainer=trainer), model_dir)
+    actor = verl_config.actor_rollout_ref.actor
+    assert actor.use_kl_loss and actor.kl_loss_coef == pytest.approx(0.05)
+    assert actor.kl_loss_type == "low_var_kl", "the local backend's k3 estimator"
+    reference = reference_worker_config(verl_config)
+    assert reference is not None
+    assert reference.engine_config.forward_only, "the reference never trains"
+    assert reference.model_config.path == str(model_dir), "it starts from the policy's weights"
+    assert reference.engine_config.infer_micro_batch_size_per_gpu == 8
+
+
+def test_without_a_kl_coef_there_is_no_reference(model_dir: Path) -> None:
+    verl_config = composed(run_config(), model_dir)
+    assert not verl_config.actor_rollout_ref.actor.use_kl_loss
+    assert reference_worker_config(verl_config) is None
 
 
 def test_async_config_states_the_staleness_bound_in_verls_terms(model_dir: Path) -> None:

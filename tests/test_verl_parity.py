@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.losses import ppo_loss
 
 from backends.local.builtin import load_policy, save_policy
-from backends.local.losses import per_token_loss, token_weights
+from backends.local.losses import kl_penalty, per_token_loss, token_weights
 from backends.verl.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES, verl_advantages
 from backends.verl.config import (
     compose_verl_config,
@@ -20,6 +22,7 @@ from backends.verl.config import (
     parse_verl_config,
     training_worker_config,
 )
+from backends.verl.convert import Row, rows_to_batch, to_no_padding
 from unified.advantages import compute_advantages
 from unified.config import load_config
 
@@ -54,13 +57,29 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @functools.cache
-def actor_config(model_dir: Path, loss: str) -> Any:
+def actor_config(
+    model_dir: Path,
+    loss: str,
+    *,
+    loss_agg: str = "token_mean",
+    kl_coef: float = 0.0,
+    entropy_coef: float = 0.0,
+) -> Any:
     """verl's actor config for our `loss`, through the backend's own config translation."""
+    trainer = {
+        "loss": loss,
+        "clip_ratio": 0.2,
+        "batch_size": 2,
+        "group_size": 2,
+        "kl_coef": kl_coef,
+        "entropy_coef": entropy_coef,
+    }
     config = load_config(
         {
             "workflow": "examples.countdown.workflow:CountdownWorkflow",
             "backend": "verl",
-            "trainer": {"loss": loss, "clip_ratio": 0.2, "batch_size": 2, "group_size": 2},
+            "trainer": trainer,
+            "verl": {"loss_agg": loss_agg},
         }
     )
     overrides = hydra_overrides(config, parse_verl_config(config), model_dir)
@@ -120,3 +139,72 @@ def test_entropy_bonus_aggregates_like_verls() -> None:
     weights, norm = token_weights(mask.sum(dim=1).tolist(), "token_mean")
     ours = float((entropy[mask] * weights).sum() / norm)
     assert ours == pytest.approx(float(agg_loss(entropy, mask, "token-mean")), rel=1e-6)
+
+
+def flat_sequence_values(values_BR: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """Per-response-token values in verl's no-padding model output: one entry per sequence
+    token, where position t holds the value of token t + 1 (prompt and last position unused)."""
+    zero = values_BR.new_zeros(1)
+    pieces = []
+    for b, row in enumerate(rows):
+        n = len(row.response_ids)
+        pieces += [zero.expand(len(row.prompt_ids) - 1), values_BR[b, :n], zero]
+    return torch.cat(pieces)
+
+
+@pytest.mark.parametrize("loss", ["ppo", "cispo"])
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+def test_local_loss_with_kl_and_entropy_equals_verls_ppo_loss(
+    model_dir: Path, loss: str, loss_agg: str
+) -> None:
+    # The KL penalty against a reference, plus the entropy bonus, through verl's `ppo_loss` (the
+    # function verl's workers run) and through the local backend's per-token terms.
+    kl_coef, entropy_coef = 0.3, 0.02
+    config = actor_config(
+        model_dir, loss, loss_agg=loss_agg, kl_coef=kl_coef, entropy_coef=entropy_coef
+    )
+    assert config.use_kl_loss and config.kl_loss_coef == kl_coef
+    config.global_batch_info.clear()
+    logp, old, adv, mask = batch_BT()
+    g = torch.Generator().manual_seed(2)
+    ref = logp + (torch.rand(logp.shape, generator=g, dtype=torch.float64) - 0.5) * 1.5
+    entropy = torch.rand(logp.shape, generator=g, dtype=torch.float64)
+    lengths = mask.sum(dim=1).tolist()
+    rows = [
+        Row(
+            prompt_ids=[1] * (2 + b),
+            response_ids=[2] * n,
+            response_mask=[1] * n,
+            logprobs=[0.0] * n,
+        )
+        for b, n in enumerate(lengths)
+    ]
+    data = to_no_padding(rows_to_batch(rows, pad_token_id=0))
+    width = max(lengths)
+    data["old_log_probs"] = old[:, :width].float()
+    data["advantages"] = (adv * mask)[:, :width].float()
+    data["ref_log_prob"] = ref[:, :width].float()
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=None, global_batch_size=None)
+
+    theirs_logp = logp.clone().requires_grad_(True)
+    output = {
+        "log_probs": flat_sequence_values(theirs_logp[:, :width].float(), rows),
+        "entropy": flat_sequence_values(entropy[:, :width].float(), rows),
+    }
+    theirs, metrics = ppo_loss(config, output, data)
+    theirs.backward()
+    assert "kl_loss" in metrics, "verl computed its KL loss"
+
+    ours_logp = logp.clone().requires_grad_(True)
+    terms = per_token_loss(loss, ours_logp[mask], old[mask], adv[mask], clip_ratio=0.2)
+    loss_T = terms.loss_T + kl_coef * kl_penalty(ours_logp[mask], ref[mask])
+    loss_T = loss_T - entropy_coef * entropy[mask]
+    weights, norm = token_weights(lengths, loss_agg)  # type: ignore[arg-type]
+    ours = (loss_T * weights.to(torch.float64)).sum() / norm
+    ours.backward()
+
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-5), "loss value"
+    assert ours_logp.grad is not None and theirs_logp.grad is not None
+    torch.testing.assert_close(
+        ours_logp.grad, theirs_logp.grad, rtol=1e-4, atol=1e-6, msg="loss gradient"
+    )

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors.torch import load_file, save_file
 
 from backends.local.builtin import chat_prompt_ids, load_policy, save_policy
-from backends.local.losses import LossAggregation, per_token_loss, token_weights
+from backends.local.losses import LossAggregation, kl_penalty, per_token_loss, token_weights
 from backends.local.sampler import BatchingSampler
 from unified.config import TrainerConfig
 from unified.errors import BackendError, ConfigError
@@ -238,8 +238,7 @@ class LocalBackend(BackendProtocol):
         if self.reference is not None and t.kl_coef > 0:
             with torch.no_grad():
                 ref_T, _, _ = self._score(self.reference, chunk, with_entropy=False)
-            log_ratio_T = ref_T - logp_T
-            loss_T = loss_T + t.kl_coef * (torch.exp(log_ratio_T) - log_ratio_T - 1)
+            loss_T = loss_T + t.kl_coef * kl_penalty(logp_T, ref_T)
         if t.entropy_coef > 0:
             loss_T = loss_T - t.entropy_coef * entropy_T
         weights_T, norm = token_weights(lengths, self.settings.loss_agg)

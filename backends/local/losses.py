@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["LossAggregation", "LossTerms", "per_token_loss", "token_weights"]
+__all__ = ["LossAggregation", "LossTerms", "kl_penalty", "per_token_loss", "token_weights"]
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 
@@ -96,6 +96,12 @@ def per_token_loss(
         is_weight_T=is_weight_T,
         is_capped_T=is_capped_T,
     )
+
+
+def kl_penalty(logp_T: torch.Tensor, ref_logp_T: torch.Tensor) -> torch.Tensor:
+    """k3(ref || train) per token: exp(ref - logp) - (ref - logp) - 1, >= 0, unbiased for KL."""
+    log_ratio_T = ref_logp_T - logp_T
+    return torch.exp(log_ratio_T) - log_ratio_T - 1
 
 
 def token_weights(lengths: list[int], mode: LossAggregation) -> tuple[torch.Tensor, float]:

@@ -12,6 +12,11 @@ Losses (per token, `r = exp(logp - old)`, aggregated by verl's `agg_loss`):
 Aggregation: `token_mean`, `seq_mean_token_mean`, `seq_mean_token_sum` -> verl's `token-mean`,
 `seq-mean-token-mean`, `seq-mean-token-sum`. Entropy bonus -> `entropy_coeff`.
 
+KL penalty: `trainer.kl_coef * k3(ref || train)` per token, aggregated like the policy loss, as the
+local backend's `kl_penalty` -> verl's KL loss (`use_kl_loss`, `kl_loss_coef`, `kl_loss_type`
+`low_var_kl`: exp(ref - logp) - (ref - logp) - 1, which verl clamps to [-10, 10]) against the
+log-probs of a frozen reference worker holding the initial weights (verl's `ref` role).
+
 Advantages are the trainer's (`unified.advantages`), computed once for every backend; verl's
 estimators are the reference they are tested against: `grpo` -> `grpo` (verl divides by the
 unbiased group std, the core by the population std: the tests pin the factor sqrt((n-1)/n)),
@@ -31,6 +36,7 @@ import torch
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "KL_LOSS_TYPE",
     "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
     "UNBOUNDED_RATIO",
@@ -76,6 +82,9 @@ LOSS_AGGREGATIONS: Mapping[str, str] = MappingProxyType(
         "seq_mean_token_sum": "seq-mean-token-sum",
     }
 )
+
+# verl's name for the local backend's k3 estimator of KL(train || ref).
+KL_LOSS_TYPE = "low_var_kl"
 
 # Our estimator -> (verl estimator, its keyword arguments); None: verl has no equivalent.
 ADVANTAGE_ESTIMATORS: Mapping[str, tuple[str, dict[str, Any]] | None] = MappingProxyType(

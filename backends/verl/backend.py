@@ -2,7 +2,9 @@
 
 Training is verl's: `forward_backward` turns groups into verl's batch rows and stages them;
 `optim_step` runs one `train_mini_batch` on the staged rows (verl's engine does forward, backward
-and the optimizer step in one call, so streamed accumulation is exact: one update per step).
+and the optimizer step in one call, so streamed accumulation is exact: one update per step). With
+`trainer.kl_coef > 0` the workers also hold a frozen reference (verl's `ref` role, the initial
+weights): `optim_step` first scores the rows with it, and verl's KL loss uses those log-probs.
 Sampling is the local backend's `BatchingSampler` on its own copy of the weights (verl's vLLM/
 SGLang servers are not wired in yet, on any device). `on_policy_updated(v)` gathers the trained
 weights from the workers and loads them into the sampler, which waits for the batch it is running:
@@ -22,6 +24,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
+from verl import DataProto
 
 from backends.local.backend import LocalEngine
 from backends.local.builtin import is_builtin, load_policy, save_policy
@@ -31,6 +34,7 @@ from backends.verl.config import (
     compose_verl_config,
     hydra_overrides,
     parse_verl_config,
+    reference_worker_config,
     resolved_device,
     training_worker_config,
 )
@@ -54,6 +58,7 @@ _METRICS = {
     "actor/entropy_loss": "train/entropy",
     "actor/pg_clipfrac": "train/clip_frac",
     "grad_norm": "train/grad_norm",
+    "kl_loss": "train/kl_reference",
 }
 
 
@@ -63,7 +68,6 @@ class VerlBackend(BackendProtocol):
     name: ClassVar[str] = "verl"
     capabilities = BackendCapabilities(
         losses=frozenset({"ppo", "cispo", "importance_sampling"}),
-        kl_penalty=False,
     )
 
     def __init__(self) -> None:
@@ -92,6 +96,7 @@ class VerlBackend(BackendProtocol):
         self._group = PolicyGroup(
             worker_config,
             actor_config,
+            reference_config=reference_worker_config(composed),
             num_workers=self.settings.num_workers,
             device=self.device,
             ray_address=self.settings.ray_address,
@@ -139,9 +144,15 @@ class VerlBackend(BackendProtocol):
         self.steps += 1
         if not rows:
             return {"train/grad_norm": 0.0}
-        micro, multiple = self.group.batch_multiple(len(rows), self.settings.micro_batch_size)
-        pad = self.tokenizer.pad_token_id or 0
-        batch = await asyncio.to_thread(rows_to_batch, rows, pad_token_id=pad, multiple=multiple)
+        batch, micro = await self._batch(rows)
+        if self.config.trainer.kl_coef > 0:
+            batch.batch["ref_log_prob"] = await self._call(
+                "scoring with the reference",
+                self.group.compute_ref_logprobs,
+                batch,
+                temperature=self._temperature(rows),
+                micro_batch=micro,
+            )
         lr = self._lr if self._lr is not None else self.config.trainer.lr
         metrics = await self._call(
             "a training step",
@@ -163,18 +174,23 @@ class VerlBackend(BackendProtocol):
         temperature = found.pop() if found else self.config.sampling.train.temperature
         return temperature if temperature and temperature > 0 else 1.0
 
-    async def score(self, groups: list[TrajectoryGroup]) -> list[list[float]]:
-        """The workers' log-probs of every row's model tokens (verl's `compute_log_prob`)."""
-        rows = groups_to_rows(groups)
+    async def _batch(self, rows: list[Row]) -> tuple[DataProto, int]:
+        """verl's padded batch of `rows` and its rows per micro-batch."""
         micro, multiple = self.group.batch_multiple(len(rows), self.settings.micro_batch_size)
         pad = self.tokenizer.pad_token_id or 0
         batch = await asyncio.to_thread(rows_to_batch, rows, pad_token_id=pad, multiple=multiple)
+        return batch, micro
+
+    async def score(
+        self, groups: list[TrajectoryGroup], *, reference: bool = False
+    ) -> list[list[float]]:
+        """Every row's model-token log-probs under the workers' policy (verl's `compute_log_prob`),
+        or under the frozen reference with `reference=True` (`compute_ref_log_prob`)."""
+        rows = groups_to_rows(groups)
+        batch, micro = await self._batch(rows)
+        call = self.group.compute_ref_logprobs if reference else self.group.compute_logprobs
         logprobs_BR = await self._call(
-            "scoring",
-            self.group.compute_logprobs,
-            batch,
-            temperature=self._temperature(rows),
-            micro_batch=micro,
+            "scoring", call, batch, temperature=self._temperature(rows), micro_batch=micro
         )
         mask_BR = batch.batch["response_mask"].bool()
         return [logprobs_BR[b][mask_BR[b]].tolist() for b in range(len(rows))]

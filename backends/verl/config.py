@@ -5,7 +5,8 @@ dotted overrides of verl's `ppo_trainer` config; `verl.extra_overrides` appends 
 verbatim. `compose_verl_config` composes them with verl's Hydra config tree and runs verl's
 `validate_config`, so a run that starts is one verl accepts. A key verl no longer has (removed or
 renamed upstream) is a `ConfigError` naming the key, with the known replacement when there is one.
-`training_worker_config` builds the `TrainingWorkerConfig` of verl's engine workers from it, as
+`training_worker_config` builds the `TrainingWorkerConfig` of verl's engine workers from it, and
+`reference_worker_config` that of the frozen reference (when `trainer.kl_coef > 0`), as
 `ActorRolloutRefWorker.init_model` does.
 
 The async-mode keys (`trainer.v1.*`) say our loop in verl's words: verl validates them and the
@@ -20,7 +21,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from backends.verl.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from backends.verl.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    KL_LOSS_TYPE,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+)
 from unified.config import TrainerConfig
 from unified.errors import CapabilityError, ConfigError
 
@@ -30,6 +36,7 @@ __all__ = [
     "compose_verl_config",
     "hydra_overrides",
     "parse_verl_config",
+    "reference_worker_config",
     "training_worker_config",
 ]
 
@@ -129,7 +136,9 @@ def hydra_overrides(config: TrainerConfig, settings: VerlConfig, model_dir: Path
         "loss_agg_mode": LOSS_AGGREGATIONS[settings.loss_agg],
         "entropy_coeff": t.entropy_coef,
         "calculate_entropy": True,
-        "use_kl_loss": False,
+        "use_kl_loss": t.kl_coef > 0,
+        "kl_loss_coef": t.kl_coef,
+        "kl_loss_type": KL_LOSS_TYPE,
         "use_torch_compile": device == "cuda",
         "fsdp_config.use_torch_compile": device == "cuda",
         "optim.lr": t.lr,
@@ -140,14 +149,14 @@ def hydra_overrides(config: TrainerConfig, settings: VerlConfig, model_dir: Path
         "checkpoint.save_contents": "[model,optimizer,extra]",
         **loss.actor_settings(t.clip_ratio, settings.dual_clip_ratio),
     }
+    precision = f"{{param_dtype:{dtype},reduce_dtype:fp32,buffer_dtype:fp32}}"
     overrides = [
         f"actor_rollout_ref.model.path={model_dir}",
         "actor_rollout_ref.model.use_remove_padding=True",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
         f"+actor_rollout_ref.model.override_config.attn_implementation={settings.attn_implementation}",
         *(f"actor_rollout_ref.actor.{key}={value}" for key, value in actor.items()),
-        f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={{param_dtype:{dtype},"
-        f"reduce_dtype:fp32,buffer_dtype:fp32}}",
+        f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={precision}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={settings.micro_batch_size}",
         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False",
         f"actor_rollout_ref.rollout.n={t.group_size}",
@@ -170,6 +179,15 @@ def hydra_overrides(config: TrainerConfig, settings: VerlConfig, model_dir: Path
         f"trainer.save_freq={t.save_every or -1}",
         "trainer.val_before_train=False",
     ]
+    if t.kl_coef > 0:
+        # The reference scores like the policy does, and never trains (verl's `ref` role).
+        overrides += [
+            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={settings.micro_batch_size}",
+            "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=False",
+            f"actor_rollout_ref.ref.use_torch_compile={device == 'cuda'}",
+            f"actor_rollout_ref.ref.fsdp_config.use_torch_compile={device == 'cuda'}",
+            f"+actor_rollout_ref.ref.fsdp_config.mixed_precision={precision}",
+        ]
     estimator = ADVANTAGE_ESTIMATORS[t.advantage]
     if estimator is not None:
         name, kwargs = estimator
@@ -236,25 +254,79 @@ def _refuse_renamed(override: str) -> None:
 def training_worker_config(composed: Any) -> tuple[Any, Any]:
     """(`TrainingWorkerConfig`, actor config) for the policy, as verl's actor worker builds them."""
     from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.config import TrainingWorkerConfig
 
     section = composed.actor_rollout_ref
     model_config = omega_conf_to_dataclass(section.model)
     actor_config = omega_conf_to_dataclass(section.actor)
     actor_config.model_config = model_config
+    worker_config = _worker_config(
+        model_config,
+        actor_config,
+        dynamic_bsz=section.actor.use_dynamic_bsz,
+        infer_max_tokens=section.rollout.log_prob_max_token_len_per_gpu,
+        infer_micro_batch=section.rollout.log_prob_micro_batch_size_per_gpu,
+    )
+    engine = worker_config.engine_config
+    engine.max_token_len_per_gpu = section.actor.ppo_max_token_len_per_gpu
+    engine.micro_batch_size_per_gpu = section.actor.ppo_micro_batch_size_per_gpu
+    return worker_config, actor_config
+
+
+def reference_worker_config(composed: Any) -> Any | None:
+    """The frozen reference's `TrainingWorkerConfig` (None without a KL loss), as verl builds it.
+
+    `ActorRolloutRefWorker.init_model` step 1: the `ref` section with its `log_prob_*` keys moved
+    to the actor's names, the policy's model, a forward-only FSDP engine and no optimizer.
+    """
+    from copy import deepcopy
+
+    from omegaconf import OmegaConf, open_dict
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import MtpConfig
+
+    section = composed.actor_rollout_ref
+    if not section.actor.use_kl_loss:
+        return None
+    ref = OmegaConf.create(OmegaConf.to_container(section.ref))
+    with open_dict(ref):
+        ref.ppo_mini_batch_size = section.actor.ppo_mini_batch_size
+        ref.ppo_micro_batch_size = ref.pop("log_prob_micro_batch_size", None)
+        ref.ppo_micro_batch_size_per_gpu = ref.pop("log_prob_micro_batch_size_per_gpu", None)
+        ref.use_dynamic_bsz = ref.pop("log_prob_use_dynamic_bsz", False)
+        ref.ppo_max_token_len_per_gpu = ref.pop("log_prob_max_token_len_per_gpu", None)
+    model_config = deepcopy(omega_conf_to_dataclass(section.model))
+    model_config.mtp = MtpConfig(enable=False)
+    return _worker_config(
+        model_config,
+        omega_conf_to_dataclass(ref),
+        dynamic_bsz=ref.use_dynamic_bsz,
+        infer_max_tokens=ref.ppo_max_token_len_per_gpu,
+        infer_micro_batch=ref.ppo_micro_batch_size_per_gpu,
+    )
+
+
+def _worker_config(
+    model_config: Any,
+    role_config: Any,
+    *,
+    dynamic_bsz: bool,
+    infer_max_tokens: int | None,
+    infer_micro_batch: int | None,
+) -> Any:
+    """verl's `TrainingWorkerConfig` of a language model from a role's (actor/ref) config."""
+    from verl.workers.config import TrainingWorkerConfig
+
     worker_config = TrainingWorkerConfig(
         model_type="language_model",
         model_config=model_config,
-        engine_config=actor_config.engine,
-        optimizer_config=actor_config.optim,
-        checkpoint_config=actor_config.checkpoint,
+        engine_config=role_config.engine,
+        optimizer_config=role_config.optim,
+        checkpoint_config=role_config.checkpoint,
         profiler_config=None,
     )
     engine = worker_config.engine_config
-    engine.use_dynamic_bsz = section.actor.use_dynamic_bsz
-    engine.infer_max_token_len_per_gpu = section.rollout.log_prob_max_token_len_per_gpu
-    engine.infer_micro_batch_size_per_gpu = section.rollout.log_prob_micro_batch_size_per_gpu
-    engine.max_token_len_per_gpu = section.actor.ppo_max_token_len_per_gpu
-    engine.micro_batch_size_per_gpu = section.actor.ppo_micro_batch_size_per_gpu
+    engine.use_dynamic_bsz = dynamic_bsz
+    engine.infer_max_token_len_per_gpu = infer_max_tokens
+    engine.infer_micro_batch_size_per_gpu = infer_micro_batch
     engine.use_remove_padding = model_config.get("use_remove_padding", False)
-    return worker_config, actor_config
+    return worker_config

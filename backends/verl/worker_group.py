@@ -2,8 +2,9 @@
 
 `PolicyGroup.start` joins a Ray cluster (or starts a private one on 127.0.0.1), places one
 `PolicyWorker` per data-parallel rank with verl's `RayResourcePool`/`RayWorkerGroup`, builds the
-FSDP engine (`reset`) and installs verl's `ppo_loss`. Its calls follow verl's trainer
-(`RayPPOTrainer._compute_old_log_prob` / `_update_actor`): padded `DataProto` -> no-padding
+FSDP engine (`reset`), the frozen reference when a KL loss needs one (`start_reference`), and
+installs verl's `ppo_loss`. Its calls follow verl's trainer (`RayPPOTrainer._compute_old_log_prob`
+/ `_compute_ref_log_prob` / `_update_actor`): padded `DataProto` -> no-padding
 TensorDict -> worker call -> padded results. Every call blocks: the backend runs them in a thread.
 `shutdown` stops only what `start` started.
 """
@@ -33,12 +34,14 @@ class PolicyGroup:
         worker_config: Any,
         actor_config: Any,
         *,
+        reference_config: Any = None,
         num_workers: int,
         device: str,
         ray_address: str | None,
     ) -> None:
         self.worker_config = worker_config
         self.actor_config = actor_config
+        self.reference_config = reference_config
         self.num_workers = num_workers
         self.device = device
         self.ray_address = ray_address
@@ -82,7 +85,9 @@ class PolicyGroup:
             use_gpu=self.device == "cuda",
             max_colocate_count=1,
         )
-        worker = RayClassWithInitArgs(ray.remote(PolicyWorker), config=self.worker_config)
+        worker = RayClassWithInitArgs(
+            ray.remote(PolicyWorker), config=self.worker_config, reference=self.reference_config
+        )
         self._group = RayWorkerGroup(
             resource_pool=pool,
             ray_cls_with_init=worker,
@@ -90,6 +95,8 @@ class PolicyGroup:
             worker_env=env,
         )
         self._group.reset()
+        if self.reference_config is not None:
+            self._group.start_reference()
         self._group.set_loss_fn(partial(ppo_loss, config=self.actor_config))
 
     def _worker_environment(self) -> dict[str, str]:
@@ -131,6 +138,19 @@ class PolicyGroup:
         self, batch: DataProto, *, temperature: float, micro_batch: int
     ) -> torch.Tensor:
         """The workers' log-probs of every response token [B, R] (verl's `compute_log_prob`)."""
+        return self._infer(self.group.infer_batch, batch, temperature, micro_batch)
+
+    def compute_ref_logprobs(
+        self, batch: DataProto, *, temperature: float, micro_batch: int
+    ) -> torch.Tensor:
+        """The frozen reference's log-probs [B, R] (verl's `compute_ref_log_prob`)."""
+        if self.reference_config is None:
+            raise BackendError("the verl workers hold no reference model (trainer.kl_coef is 0)")
+        return self._infer(self.group.compute_ref_log_prob, batch, temperature, micro_batch)
+
+    def _infer(
+        self, call: Any, batch: DataProto, temperature: float, micro_batch: int
+    ) -> torch.Tensor:
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import no_padding_2_padding
 
@@ -141,7 +161,7 @@ class PolicyGroup:
             temperature=temperature,
             micro_batch_size_per_gpu=micro_batch,
         )
-        output = self.group.infer_batch(td).get()
+        output = call(td).get()
         logprobs = no_padding_2_padding(tu.get(output, "log_probs"), td)
         return logprobs.float().cpu()
 

@@ -194,3 +194,27 @@ async def test_the_local_backend_skips_an_update_whose_loss_is_nan() -> None:
     await backend.forward_backward([group_of(outputs, [1.0, -1.0, 1.0, -1.0])])
     assert "train/skipped_steps" not in await backend.optim_step(), "the next step trains"
     await backend.shutdown()
+
+
+# -- the local Tinker server ----------------------------------------------------------------------
+
+
+def test_a_tinker_server_that_stops_answering_fails_the_run_fast_naming_the_call(
+    tmp_path: Path, make_config: ConfigFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from backends.tinker.faults import Faults
+    from backends.tinker.server import LocalServer
+    from tests.test_tinker_backend import tasks
+
+    monkeypatch.setenv("TINKER_API_KEY", "tml-test")
+    config = make_config(backend="tinker", workflow="tests.test_tinker_backend:DigitsWorkflow")
+    config["model"] = "builtin:tiny"
+    with LocalServer("builtin:tiny", store=tmp_path, faults=Faults(latency_s=10.0)) as url:
+        config["tinker"] = {"base_url": url, "request_timeout_s": 1.0, "retries": 1}
+        started_at = time.monotonic()
+        with pytest.raises(TransientBackendError) as caught:
+            UnifiedTrainer(config, train_tasks=tasks()).fit()
+        elapsed = time.monotonic() - started_at
+    assert "create_lora_training_client failed 2 times in a row" in str(caught.value)
+    assert "tinker.request_timeout_s=1 s" in str(caught.value), "the message names the deadline"
+    assert elapsed < 8, f"the run took {elapsed:.0f} s to fail: it waited on the stuck call"

@@ -11,8 +11,10 @@ breaks the protocol (metrics that are not numbers) is a `BackendReplyError`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import numbers
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal, TypeVar
 
@@ -21,7 +23,7 @@ from unified.errors import BackendReplyError, StallError
 from unified.protocol import BackendProtocol
 from unified.retry import NO_RETRY, retrying
 
-__all__ = ["BackendCalls", "CallName", "finite"]
+__all__ = ["BackendCalls", "CallName", "finite", "in_daemon_thread"]
 
 T = TypeVar("T")
 CallName = Literal[
@@ -92,6 +94,36 @@ class BackendCalls:
                 f"({type(value).__name__}); metric values must be numbers (fix the backend)"
             )
         return {k: float(v) for k, v in reply.items()}
+
+
+async def in_daemon_thread(fn: Callable[[], T]) -> T:
+    """Run blocking `fn` in a daemon thread and await its result.
+
+    For calls that may never return (a remote service that stops answering): a caller past its
+    deadline abandons the thread, and neither the event loop's shutdown nor the interpreter's
+    exit waits for it, as both do for `asyncio.to_thread`'s threads.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return  # the caller gave up on it
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            outcome: tuple[T | None, BaseException | None] = (fn(), None)
+        except BaseException as e:
+            outcome = (None, e)
+        with contextlib.suppress(RuntimeError):  # the loop closed while this thread was stuck
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name=f"unified-{fn!r:.40}", daemon=True).start()
+    return await future
 
 
 def _is_number(value: object) -> bool:

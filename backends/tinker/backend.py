@@ -33,6 +33,7 @@ from backends.local.builtin import load_tokenizer
 from backends.tinker.config import TinkerConfig
 from backends.tinker.datums import TokenSequence, fold_kl_penalty, group_sequences, to_datum
 from backends.tinker.server_process import ServerProcess
+from unified.backend_calls import in_daemon_thread
 from unified.config import TrainerConfig
 from unified.errors import BackendError, ConfigError, TransientBackendError, UsageError
 from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
@@ -188,8 +189,8 @@ class TinkerBackend(BackendProtocol):
 
         async def attempt() -> T:
             try:
-                future = await asyncio.to_thread(submit) if blocking else submit()
                 async with asyncio.timeout(timeout_s):
+                    future = await in_daemon_thread(submit) if blocking else submit()
                     return await future
             except tinker.AuthenticationError as e:
                 raise UsageError(

@@ -213,6 +213,7 @@ class BanditWorkflow:
     """Ask for the task's target answer; reward 1 for a hit. Tracks running workflows."""
 
     backend: ClassVar[BanditBackend | None] = None
+    required_fields: ClassVar[tuple[str, ...]] = ("target",)
 
     async def run(self, task: Task, model: RolloutEngine) -> Trajectory:
         backend = model._engine.backend if hasattr(model, "_engine") else None

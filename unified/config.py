@@ -22,12 +22,15 @@ from pydantic import (
 )
 
 from unified.errors import ConfigError
+from unified.redaction import redact_config
+from unified.retry import RetryPolicy
 from unified.types import SamplingParams
 
 __all__ = [
     "AsyncConfig",
     "DataConfig",
     "LoggingConfig",
+    "RetrySection",
     "SamplingConfig",
     "TrainerConfig",
     "TrainerSection",
@@ -38,6 +41,24 @@ __all__ = [
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class RetrySection(_Section):
+    """`trainer.retry:` — retries of the trainer's backend calls that are safe to repeat.
+
+    A call is retried only after a transient error (`TransientBackendError`: timeouts, HTTP 5xx
+    and 429); `forward_backward` and `optim_step` never are (a repeat would apply twice).
+    """
+
+    on_policy_updated: RetryPolicy = Field(
+        default_factory=RetryPolicy, description="The weight sync."
+    )
+    save_checkpoint: RetryPolicy = Field(
+        default_factory=RetryPolicy, description="Writing the backend's part of a checkpoint."
+    )
+    load_checkpoint: RetryPolicy = Field(
+        default_factory=RetryPolicy, description="Reading it back on resume."
+    )
 
 
 class TrainerSection(_Section):
@@ -103,6 +124,20 @@ class TrainerSection(_Section):
     stall_timeout: float = Field(
         600.0, gt=0, description="Seconds any wait may go without progress before it fails."
     )
+    backend_timeout: float = Field(
+        900.0,
+        gt=0,
+        description="Seconds one backend call of the trainer (setup, forward_backward, "
+        "optim_step, on_policy_updated, checkpoints, shutdown) may take before the run fails "
+        "with an error naming the call and the pipeline's state.",
+    )
+    max_bad_steps: int = Field(
+        3,
+        ge=0,
+        description="Optimizer steps in a row whose loss or gradient norm is NaN/inf (their "
+        "update skipped, counted in train/skipped_steps) tolerated; one more stops the run.",
+    )
+    retry: RetrySection = Field(default_factory=lambda: RetrySection())
 
     @field_validator("tis_cap")
     @classmethod
@@ -201,10 +236,15 @@ class TrainerConfig(_Section):
         """The run directory, `<logging.run_dir>/<name>`."""
         return self.logging.run_dir / self.name
 
+    def public_dump(self) -> dict[str, Any]:
+        """The resolved config as plain data, `async` under its public name, secrets masked:
+        what `config.yaml` and the W&B run record."""
+        data: dict[str, Any] = redact_config(self.model_dump(mode="json", by_alias=True))
+        return data
+
     def to_yaml(self) -> str:
-        """The resolved config as YAML, with `async` under its public name."""
-        data = self.model_dump(mode="json", by_alias=True)
-        return yaml.safe_dump(data, sort_keys=False)
+        """The resolved config as YAML (`public_dump`)."""
+        return yaml.safe_dump(self.public_dump(), sort_keys=False)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from unified.types import Task
 if TYPE_CHECKING:
     from unified.config import DataConfig
 
-__all__ = ["SUPPORTED_SUFFIXES", "TaskSampler", "load_eval_tasks", "load_tasks"]
+__all__ = ["SUPPORTED_SUFFIXES", "TaskSampler", "check_fields", "load_eval_tasks", "load_tasks"]
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -66,6 +66,19 @@ def load_tasks(
     if not tasks:
         raise DataError(f"{what} is empty: {label} holds no tasks")
     return tasks
+
+
+def check_fields(tasks: Iterable[Task], fields: Iterable[str], *, what: str) -> None:
+    """Every task has the `fields` its workflow reads (the workflow's `required_fields`)."""
+    wanted = tuple(fields)
+    for task in tasks:
+        for field in wanted:
+            if field not in task.data:
+                raise DataError(
+                    f"{what}: task {task.id!r} has no field {field!r}, which the workflow reads "
+                    f"(its required_fields); add it to every task (this one has: "
+                    f"{', '.join(sorted(task.data)) or 'no fields'})"
+                )
 
 
 def _from_path(path: Path, what: str) -> Iterator[tuple[str, Task]]:

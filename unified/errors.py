@@ -8,11 +8,13 @@ from __future__ import annotations
 
 __all__ = [
     "BackendError",
+    "BackendReplyError",
     "CapabilityError",
     "ConfigError",
     "DataError",
     "StallError",
     "TrainingStopped",
+    "TransientBackendError",
     "UnifiedError",
     "UsageError",
     "WorkflowError",
@@ -39,12 +41,24 @@ class DataError(UsageError):
     """A dataset is missing, empty or malformed."""
 
 
-class WorkflowError(UnifiedError):
-    """A workflow returned something that is not a valid `Trajectory`."""
+class WorkflowError(UsageError):
+    """A workflow returned something that is not a valid `Trajectory` (a bug to fix: exit 2)."""
 
 
 class BackendError(UnifiedError):
-    """A backend replied with something that breaks the protocol."""
+    """A backend call failed, or the backend replied with something that breaks the protocol."""
+
+
+class TransientBackendError(BackendError):
+    """A backend call failed in a way that may pass (timeout, HTTP 5xx/429, dropped connection).
+
+    Each backend maps its own transient failures to this type; `unified.retry` retries only it,
+    and only for calls that are safe to repeat.
+    """
+
+
+class BackendReplyError(BackendError, UsageError):
+    """A backend's reply breaks the protocol (wrong type or shape): its code needs a fix."""
 
 
 class StallError(UnifiedError):

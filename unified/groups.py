@@ -192,10 +192,17 @@ class TrajectoryGroupBuffer:
         return ended
 
     async def write_trained(
-        self, items: Sequence[tuple[GroupTicket, TrajectoryGroup]], step: int, version: int
+        self,
+        items: Sequence[tuple[GroupTicket, TrajectoryGroup]],
+        step: int,
+        version: int,
+        *,
+        reason: str = "",
     ) -> None:
-        """`items` were trained in `step` onto the weights of `version`: they end here."""
-        lines = [_line(t, "trained", step, g.policy_version, version) for t, g in items]
+        """`items` were trained in `step` onto the weights of `version`: they end here.
+
+        `reason` notes a step whose update the backend skipped (NaN/inf loss or gradient)."""
+        lines = [_line(t, "trained", step, g.policy_version, version, reason) for t, g in items]
         await asyncio.to_thread(self._ledger, lines)
         for ticket, _ in items:
             del self._tasks[ticket.group_id]

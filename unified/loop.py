@@ -13,12 +13,15 @@ so generation and training alternate. Every task lives in a `TaskGroup` owned by
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
+import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from unified.backend_calls import BackendCalls, finite
 from unified.checkpoint import RunDirectory, TrainerState
 from unified.config import TrainerConfig
 from unified.coordinator import SyncCoordinator
@@ -96,6 +99,9 @@ class TrainingLoop:
         )
         self.slots = WorkflowSlots.for_config(config)
         self._deadlines = WorkflowDeadlines(settings.workflow_timeout)
+        self.calls = BackendCalls(backend, settings, self.describe)
+        self._loss_finite = True
+        self._bad_steps_in_a_row = 0
         self.step = 0
         self.last_metrics: dict[str, float] = {}
         # Async mode trains a micro-batch as soon as it is ready; sync mode only a whole batch.
@@ -117,7 +123,7 @@ class TrainingLoop:
         """Restore `checkpoint` if given, then evaluate before training."""
         settings = self.config.trainer
         if checkpoint is not None:
-            state = await RunDirectory.load_checkpoint(checkpoint, self.backend.load_checkpoint)
+            state = await RunDirectory.load_checkpoint(checkpoint, self._load_backend)
             self.step = state.step
             self.sampler.load_state_dict(state.sampler)
             by_id = {task.id: task for task in self.train_tasks}
@@ -230,7 +236,11 @@ class TrainingLoop:
         chunk = self.config.trainer.micro_batch_size or self.config.trainer.batch_size
         for start in range(0, len(ordered), chunk):
             groups = [group for _, group in ordered[start : start + chunk]]
-            self.metrics.record_many(await self.backend.forward_backward(groups))
+            reply = await self.calls.metrics(
+                "forward_backward", functools.partial(self.backend.forward_backward, groups)
+            )
+            self._loss_finite = self._loss_finite and finite(reply, "train/loss")
+            self.metrics.record_many(reply)
         return time.monotonic() - started
 
     async def _finish_step(self, items: list[Item], *, forward_s: float, wait_s: float) -> None:
@@ -240,12 +250,15 @@ class TrainingLoop:
         version = self.coordinator.version
         train_started = time.monotonic()
         self.backend.set_learning_rate(learning_rate(settings, self.step))
-        self.metrics.record_many(await self.backend.optim_step())
+        reply = await self.calls.metrics("optim_step", self.backend.optim_step)
+        skipped = self._count_bad_step(reply)
+        self.metrics.record_many(reply)
         train_s = forward_s + time.monotonic() - train_started
         self.step += 1
         for _, group in items:
             self._record_rewards([e.reward for e in group.episodes])
-        await self.groups.write_trained(items, self.step, version)
+        reason = "update skipped: non-finite loss or gradient norm" if skipped else ""
+        await self.groups.write_trained(items, self.step, version, reason=reason)
         sync_s = 0.0
         if self.step % self.config.async_.sync_every == 0:
             sync_s = await self._sync_weights()
@@ -267,6 +280,7 @@ class TrainingLoop:
                 "staleness/mean": sum(staleness) / len(staleness),
                 "staleness/max": float(max(staleness)),
                 "optim/lr": learning_rate(settings, self.step - 1),
+                "train/skipped_steps": float(skipped),
             }
         )
         per_step = 1.0 / step_s if step_s > 0 else 0.0
@@ -296,9 +310,32 @@ class TrainingLoop:
         """Make the trained weights the next policy version; running workflows carry on."""
         started = time.monotonic()
         version = self.coordinator.version + 1
-        await self.backend.on_policy_updated(version)
+        await self.calls.call(
+            "on_policy_updated", functools.partial(self.backend.on_policy_updated, version)
+        )
         self.groups.open_window(version)
         return time.monotonic() - started
+
+    def _count_bad_step(self, reply: dict[str, float]) -> bool:
+        """Whether this step's update was skipped for a NaN/inf loss or gradient norm; past
+        `max_bad_steps` such steps in a row, stop the run."""
+        skipped_by_backend = reply.pop("train/skipped_steps", 0.0) > 0
+        bad = skipped_by_backend or not self._loss_finite or not finite(reply, "train/grad_norm")
+        self._loss_finite = True
+        if not bad:
+            self._bad_steps_in_a_row = 0
+            return False
+        self._bad_steps_in_a_row += 1
+        limit = self.config.trainer.max_bad_steps
+        if self._bad_steps_in_a_row > limit:
+            grad_norm = reply.get("train/grad_norm", math.nan)
+            raise TrainingStopped(
+                f"{self._bad_steps_in_a_row} optimizer steps in a row had a NaN/inf loss or "
+                f"gradient norm (last grad_norm={grad_norm:g}), more than trainer.max_bad_steps="
+                f"{limit}: the policy diverged or the rewards/advantages are broken; lower "
+                "trainer.lr, check the workflow's rewards, or raise trainer.max_bad_steps"
+            )
+        return True
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
@@ -346,4 +383,19 @@ class TrainingLoop:
             sampler=self.sampler.state_dict(),
             redispatch=self.groups.in_flight(),
         )
-        await self.run_dir.save_checkpoint(state, self.backend.save_checkpoint)
+        await self.run_dir.save_checkpoint(state, self._save_backend)
+
+    async def _save_backend(self, directory: Path) -> None:
+        await self.calls.call(
+            "save_checkpoint", functools.partial(self.backend.save_checkpoint, directory)
+        )
+
+    async def _load_backend(self, directory: Path) -> None:
+        await self.calls.call(
+            "load_checkpoint", functools.partial(self.backend.load_checkpoint, directory)
+        )
+
+    def describe(self) -> str:
+        """Who is where, for the error of a wait that passed its deadline."""
+        running = self.slots.running
+        return f"step={self.step}, {self.groups.describe()}, workflows running={running}"

@@ -55,6 +55,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "groups/filtered",
     "episodes/errors",
     "episodes/timeouts",
+    "train/skipped_steps",
     "time/step",
     "time/generate",
     "time/train",
@@ -394,6 +395,6 @@ def metrics_for(config: TrainerConfig) -> MetricsAggregator:
         config.run_path,
         total_steps=config.trainer.total_steps,
         run_name=config.name,
-        config=config.model_dump(mode="json", by_alias=True),
+        config=config.public_dump(),
     )
     return MetricsAggregator(sinks)

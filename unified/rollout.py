@@ -16,8 +16,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from asyncio_throttle.throttler import Throttler
+from pydantic import ValidationError
 
-from unified.errors import BackendError, UsageError, WorkflowError
+from unified.errors import BackendReplyError, UsageError, WorkflowError
 from unified.imports import import_object
 from unified.protocol import RolloutEngine, Tokenizer
 from unified.types import Episode, EpisodeStatus, ModelOutput, SamplingParams, Task, Trajectory
@@ -30,6 +31,7 @@ __all__ = [
     "WorkflowDeadlines",
     "WorkflowFn",
     "WorkflowSlots",
+    "required_fields",
     "resolve_workflow",
     "run_episode",
 ]
@@ -84,7 +86,10 @@ class SamplingEngine(RolloutEngine):
 
     def _checked(self, output: Any) -> ModelOutput:
         if not isinstance(output, ModelOutput):
-            raise BackendError(f"rollout engine returned {type(output).__name__}, not ModelOutput")
+            raise BackendReplyError(
+                f"rollout engine returned {type(output).__name__}, not ModelOutput (fix the "
+                "backend's engine)"
+            )
         self.completion_tokens += len(output.completion_ids)
         return output
 
@@ -148,6 +153,14 @@ def resolve_workflow(workflow: Any) -> WorkflowFn:
     raise UsageError(
         f"workflow {workflow!r} is not an async function or a class with `async def run`"
     )
+
+
+def required_fields(workflow: Any) -> tuple[str, ...]:
+    """The `task.data` keys a workflow (import path, class, instance or function) declares it
+    reads, in its `required_fields`; none if it declares nothing."""
+    if isinstance(workflow, str):
+        workflow = import_object(workflow, what="workflow")
+    return tuple(getattr(workflow, "required_fields", ()))
 
 
 class WorkflowDeadlines:
@@ -225,7 +238,8 @@ async def run_episode(
         if deadlines.finish(current):
             current.uncancel()  # the workflow turned our cancellation into an error of its own
             return _timed_out(task, rollout_index, version, deadlines.timeout_s)
-        return _failed(task, rollout_index, version, "error", f"{type(e).__name__}: {e}"), e
+        error = _invalid_output(e) or e
+        return _failed(task, rollout_index, version, "error", f"{type(e).__name__}: {e}"), error
     if deadlines.finish(current):
         current.uncancel()  # it swallowed the cancellation, and finished late all the same
         return _timed_out(task, rollout_index, version, deadlines.timeout_s)
@@ -251,13 +265,39 @@ def _failed(task: Task, index: int, version: int, status: EpisodeStatus, error: 
     )
 
 
+_OUTPUT_TYPES = frozenset({"Trajectory", "Step", "ModelOutput"})
+
+
+def _invalid_output(error: Exception) -> WorkflowError | None:
+    """A `WorkflowError` naming the field, when `error` is the workflow building one of our
+    types with bad values (a NaN or string reward, logprobs that do not match the tokens)."""
+    if not isinstance(error, ValidationError) or error.title not in _OUTPUT_TYPES:
+        return None
+    first = error.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "<root>"
+    got = first.get("input")
+    shown = f" (got {got!r})" if isinstance(got, str | int | float | type(None)) else ""
+    wrapped = WorkflowError(
+        f"the workflow built an invalid {error.title}: {field}: {first['msg']}{shown}; fix the "
+        f"values the workflow passes to {error.title}(...)"
+    )
+    wrapped.__cause__ = error
+    return wrapped
+
+
 def _as_trajectories(result: Any) -> list[Trajectory]:
     if isinstance(result, Trajectory):
-        return [result]
-    items = result if isinstance(result, list) else [result]
+        items = [result]
+    else:
+        items = result if isinstance(result, list) else [result]
     if not items or not all(isinstance(t, Trajectory) for t in items):
         got = type(result).__name__
         raise WorkflowError(
             f"workflow returned {got}; it must return a Trajectory (or a list of them)"
         )
-    return list(items)
+    if not any(t.steps for t in items):
+        raise WorkflowError(
+            "workflow returned a Trajectory with no steps: nothing to train on; add one "
+            "Step(messages, output, reward) per model call"
+        )
+    return items

@@ -8,21 +8,24 @@ no task of it is still running, the backend has been shut down and every metrics
 from __future__ import annotations
 
 import asyncio
+import functools
+import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
+from unified.backend_calls import BackendCalls
 from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig, load_config
-from unified.data import load_eval_tasks, load_tasks
-from unified.errors import TrainingStopped
+from unified.data import check_fields, load_eval_tasks, load_tasks
+from unified.errors import TrainingStopped, UsageError
 from unified.loop import TrainingLoop
 from unified.metrics import metrics_for
 from unified.model_provider import model_provider, resolve_model
 from unified.protocol import BackendProtocol, check_capabilities, create_backend
-from unified.rollout import WorkflowFn, resolve_workflow
+from unified.rollout import WorkflowFn, required_fields, resolve_workflow
 from unified.types import Task
 
 __all__ = ["TrainResult", "TrainingStopped", "UnifiedTrainer"]
@@ -59,6 +62,9 @@ class UnifiedTrainer:
         self.eval_tasks: list[Task] = (
             list(eval_tasks)[: data.eval_limit] if eval_tasks is not None else load_eval_tasks(data)
         )
+        fields = required_fields(workflow if workflow is not None else self.config.workflow)
+        check_fields(self.train_tasks, fields, what="data.train")
+        check_fields(self.eval_tasks, fields, what="data.eval")
         self.run = RunDirectory(self.config.run_path)
 
     def fit(self) -> TrainResult:
@@ -69,6 +75,8 @@ class UnifiedTrainer:
         """Train to `trainer.total_steps` on the running event loop."""
         loop: TrainingLoop | None = None
         error: BaseException | None = None
+        calls = BackendCalls(self.backend, self.config.trainer)
+        fresh = not self.run.path.exists()
         try:
             self.config = await asyncio.to_thread(resolve_model, self.config)
             checkpoint = await asyncio.to_thread(
@@ -83,7 +91,8 @@ class UnifiedTrainer:
                 run=self.run,
                 metrics=await asyncio.to_thread(metrics_for, self.config),
             )
-            await self.backend.setup(self.config)
+            calls = loop.calls
+            await calls.call("setup", functools.partial(self.backend.setup, self.config))
             await loop.start(checkpoint)
             await loop.run()
         except BaseExceptionGroup as group:
@@ -91,7 +100,7 @@ class UnifiedTrainer:
         except BaseException as e:
             error = e
         try:
-            await self.backend.shutdown()
+            await calls.call("shutdown", self.backend.shutdown)
             if loop is not None:
                 await asyncio.to_thread(loop.metrics.close)
         except Exception as e:
@@ -99,6 +108,9 @@ class UnifiedTrainer:
                 raise
             error.add_note(f"unified: the backend's shutdown also failed: {e!r}")
         if error is not None:
+            if fresh and isinstance(error, UsageError) and (loop is None or loop.step == 0):
+                # Bad input found before the first step: leave no half-written run behind.
+                await asyncio.to_thread(shutil.rmtree, self.run.path, True)
             raise error
         assert loop is not None
         return TrainResult(steps=loop.step, metrics=loop.last_metrics, run_dir=self.run.path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import numbers
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, overload
 
@@ -124,6 +125,22 @@ class Transcript(Sequence[Message]):
         )
 
 
+MAX_ABS_REWARD = 1e6
+"""Rewards beyond this are a bug (a missing scale or a sentinel), and would swamp the advantages."""
+
+
+def _checked_reward(reward: Any) -> float:
+    """A reward as a float: a finite real number of at most `MAX_ABS_REWARD` in size."""
+    if isinstance(reward, bool) or not isinstance(reward, int | float | numbers.Real):
+        raise ValueError(f"reward must be a number, got {type(reward).__name__}")
+    value = float(reward)
+    if not math.isfinite(value):
+        raise ValueError(f"reward must be a finite number, got {value}")
+    if abs(value) > MAX_ABS_REWARD:
+        raise ValueError(f"reward must be within +-{MAX_ABS_REWARD:g}, got {value:g}; scale it")
+    return value
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=False)
 
@@ -209,6 +226,11 @@ class Step(_Model):
     reward: float = 0.0
     info: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _valid_reward(cls, reward: Any) -> float:
+        return _checked_reward(reward)
+
     @field_validator("messages", mode="before")
     @classmethod
     def _copy_messages(cls, messages: Any) -> Any:
@@ -227,12 +249,10 @@ class Trajectory(_Model):
     reward: float
     name: str = "default"
 
-    @field_validator("reward")
+    @field_validator("reward", mode="before")
     @classmethod
-    def _finite_reward(cls, reward: float) -> float:
-        if not math.isfinite(reward):
-            raise ValueError(f"trajectory reward must be a finite number, got {reward}")
-        return reward
+    def _valid_reward(cls, reward: Any) -> float:
+        return _checked_reward(reward)
 
 
 class Episode(_Model):

@@ -9,6 +9,7 @@ not retried. Plain `async def fn(task, model) -> Trajectory` functions work as w
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 from unified.protocol import RolloutEngine
 from unified.types import Task, Trajectory
@@ -18,6 +19,10 @@ __all__ = ["Workflow"]
 
 class Workflow(ABC):
     """One rollout of an agent on a task: call `model`, score the result, return a trajectory."""
+
+    required_fields: ClassVar[tuple[str, ...]] = ()
+    """Keys of `task.data` that `run` reads: every task is checked for them before the run
+    starts, so a dataset that lacks one fails in one line instead of in every episode."""
 
     @abstractmethod
     async def run(self, task: Task, model: RolloutEngine) -> Trajectory:

@@ -119,6 +119,7 @@ class LocalBackend(BackendProtocol):
         self.settings = LocalConfig()
         self.tis_cap: float | None = None  # resolved at setup
         self._grad_norm_denominator = 0.0
+        self._loss_finite = True
         self._training = threading.Lock()
 
     async def setup(self, config: TrainerConfig) -> None:
@@ -213,6 +214,7 @@ class LocalBackend(BackendProtocol):
             chunk = samples[start : start + self.settings.micro_batch]
             step_norm += self._backward_chunk(chunk, totals)
         self._grad_norm_denominator += step_norm
+        self._loss_finite = self._loss_finite and math.isfinite(totals["loss"])
         n = max(1.0, totals["tokens"])
         metrics = {
             "train/loss": totals["loss"] / max(step_norm, 1e-12),
@@ -299,7 +301,11 @@ class LocalBackend(BackendProtocol):
         return logp_T, entropy_T, lengths
 
     def _optim_step(self) -> dict[str, float]:
+        """AdamW on the accumulated gradients, unless the loss or gradient norm is NaN/inf: then
+        the update is skipped (weights and optimizer state unchanged) and reported as
+        `train/skipped_steps` for the trainer to count."""
         norm = self._grad_norm_denominator
+        loss_finite, self._loss_finite = self._loss_finite, True
         self._grad_norm_denominator = 0.0
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params or norm <= 0:
@@ -309,9 +315,9 @@ class LocalBackend(BackendProtocol):
             assert p.grad is not None
             p.grad.div_(norm)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm))
-        if not math.isfinite(grad_norm):
+        if not (loss_finite and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
-            raise BackendError(f"gradient norm is {grad_norm}; lower trainer.lr")
+            return {"train/skipped_steps": 1.0}
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"train/grad_norm": grad_norm}

@@ -39,9 +39,12 @@ from backends.tinker.datums import (
     to_datum,
 )
 from backends.tinker.server_process import ServerProcess
+from unified.backend_calls import in_daemon_thread
 from unified.config import TrainerConfig
-from unified.errors import BackendError, ConfigError, UsageError
+from unified.errors import BackendError, ConfigError, TransientBackendError, UsageError
 from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
+from unified.redaction import register
+from unified.retry import NO_RETRY, retrying
 from unified.types import ModelOutput, SamplingParams, TrajectoryGroup
 
 __all__ = ["TinkerBackend", "TinkerEngine"]
@@ -49,7 +52,6 @@ __all__ = ["TinkerBackend", "TinkerEngine"]
 T = TypeVar("T")
 LOCAL_KEY = "tml-local-server"
 _TRANSIENT = (
-    TimeoutError,
     tinker.APIConnectionError,
     tinker.APITimeoutError,
     tinker.InternalServerError,
@@ -99,6 +101,7 @@ class TinkerBackend(BackendProtocol):
         self.lr = config.trainer.lr
         self._check_config(config)
         key = os.environ.get(settings.api_key_env) or None
+        register(key)
         base_url = settings.base_url
         if base_url is None and key is None:
             base_url = await self._start_local_server(config)
@@ -186,12 +189,14 @@ class TinkerBackend(BackendProtocol):
         idempotent: bool = False,
         blocking: bool = False,
     ) -> T:
-        """Submit a call and await its result within the deadline; retry transient errors."""
-        attempts = 1 + (self.settings.retries if idempotent else 0)
-        for attempt in range(attempts):
+        """Submit a call and await its result within the deadline; idempotent calls are retried
+        after transient errors (`tinker.retries`)."""
+        timeout_s = self.settings.request_timeout_s
+
+        async def attempt() -> T:
             try:
-                future = await asyncio.to_thread(submit) if blocking else submit()
-                async with asyncio.timeout(self.settings.request_timeout_s):
+                async with asyncio.timeout(timeout_s):
+                    future = await in_daemon_thread(submit) if blocking else submit()
                     return await future
             except tinker.AuthenticationError as e:
                 raise UsageError(
@@ -199,21 +204,20 @@ class TinkerBackend(BackendProtocol):
                     f"${self.settings.api_key_env} (HTTP 401)"
                 ) from e
             except tinker.RequestFailedError as e:
-                if e.category == tinker.types.RequestErrorCategory.User or attempt + 1 == attempts:
+                if e.category == tinker.types.RequestErrorCategory.User:
                     raise BackendError(f"tinker {what} failed: {e}") from e
-                error: Exception = e
+                raise TransientBackendError(f"tinker {what} failed: {e}") from e
+            except TimeoutError as e:
+                raise TransientBackendError(
+                    f"tinker {what} got no result within tinker.request_timeout_s={timeout_s:g} s"
+                ) from e
             except _TRANSIENT as e:
-                if attempt + 1 == attempts:
-                    raise BackendError(
-                        f"tinker {what} failed after {attempts} attempt(s) within "
-                        f"{self.settings.request_timeout_s:g} s each: {type(e).__name__}: {e}"
-                    ) from e
-                error = e
+                raise TransientBackendError(f"tinker {what} failed: {type(e).__name__}: {e}") from e
             except tinker.TinkerError as e:
                 raise BackendError(f"tinker {what} failed: {e}") from e
-            # Exponential backoff before the next attempt; the loop is bounded by `attempts`.
-            await asyncio.sleep(self.settings.retry_backoff_s * 2**attempt)
-        raise AssertionError(f"unreachable: {error!r}")
+
+        policy = self.settings.retry_policy() if idempotent else NO_RETRY
+        return await retrying(f"tinker {what}", attempt, policy)
 
     # -- sampling -----------------------------------------------------------------------------
 

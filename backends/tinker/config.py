@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from unified.errors import ConfigError
+from unified.retry import RetryPolicy
 
 __all__ = ["TinkerConfig"]
 
@@ -54,12 +55,18 @@ class TinkerConfig(BaseModel):
     retries: int = Field(
         3, ge=0, description="Retries of idempotent calls (sampling, set-up) on transient errors."
     )
-    retry_backoff_s: float = Field(0.5, ge=0, description="First retry delay; doubles each time.")
+    retry_backoff_s: float = Field(
+        0.5, ge=0, description="First retry delay; doubles each time, with jitter, up to 30 s."
+    )
     local_store: Path | None = Field(
         None,
         description="Local server: where tinker:// paths live (default: <run>/tinker-store).",
     )
     local_max_batch: int = Field(64, ge=1, description="Local server: most requests per batch.")
+
+    def retry_policy(self) -> RetryPolicy:
+        """How idempotent calls (sampling, set-up) are retried: `retries` more times."""
+        return RetryPolicy(attempts=1 + self.retries, backoff_s=self.retry_backoff_s)
 
     @classmethod
     def from_section(cls, section: dict[str, Any]) -> TinkerConfig:

@@ -24,6 +24,7 @@ class CountdownWorkflow(SingleTurnWorkflow):
     (docs/benchmarks.md).
     """
 
+    required_fields = ("numbers", "target")
     format_reward: float = 0.1
     """Reward for a valid expression over the numbers that misses the target."""
     closeness_reward: float = 0.45

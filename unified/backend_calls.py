@@ -1,0 +1,135 @@
+"""The trainer's calls into its backend: each under a deadline, retried only where safe.
+
+A backend call that never returns must end the run, not hang it: every call the trainer makes
+(`setup`, `forward_backward`, `optim_step`, `on_policy_updated`, checkpoints, `shutdown`) runs
+under `trainer.backend_timeout`, and when that passes the error names the call, the deadline and
+the pipeline's state (versions, groups in flight, ready, workflows running). Calls that are safe
+to repeat are retried after a `TransientBackendError` by `trainer.retry.<call>`; a reply that
+breaks the protocol (metrics that are not numbers) is a `BackendReplyError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import numbers
+import threading
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Literal, TypeVar
+
+from unified.config import TrainerSection
+from unified.errors import BackendReplyError, StallError
+from unified.protocol import BackendProtocol
+from unified.retry import NO_RETRY, retrying
+
+__all__ = ["BackendCalls", "CallName", "finite", "in_daemon_thread"]
+
+T = TypeVar("T")
+CallName = Literal[
+    "setup",
+    "forward_backward",
+    "optim_step",
+    "on_policy_updated",
+    "save_checkpoint",
+    "load_checkpoint",
+    "shutdown",
+]
+
+
+def _before_training() -> str:
+    return "before training: no group dispatched yet"
+
+
+class BackendCalls:
+    """Runs the trainer's backend calls with a deadline each; `describe` says who is where."""
+
+    def __init__(
+        self,
+        backend: BackendProtocol,
+        settings: TrainerSection,
+        describe: Callable[[], str] = _before_training,
+    ) -> None:
+        self.backend = backend
+        self.timeout_s = settings.backend_timeout
+        self.describe = describe
+        self._retry = settings.retry
+
+    async def call(self, what: CallName, make: Callable[[], Awaitable[T]]) -> T:
+        """Await `make()` within the deadline; retried after transient errors if `what` is safe."""
+        policy = getattr(self._retry, what, NO_RETRY)
+
+        async def attempt() -> T:
+            deadline = asyncio.timeout(self.timeout_s)
+            try:
+                async with deadline:
+                    return await make()
+            except TimeoutError:
+                if not deadline.expired():
+                    raise
+            raise StallError(
+                f"the trainer waited {self.timeout_s:g} s for backend "
+                f"{self.backend.name!r} {what}, which never returned ({self.describe()}); the "
+                "backend is stuck: check it, or raise trainer.backend_timeout if this call is "
+                "legitimately this slow"
+            )
+
+        return await retrying(f"backend {self.backend.name!r} {what}", attempt, policy)
+
+    async def metrics(
+        self, what: Literal["forward_backward", "optim_step"], make: Callable[[], Awaitable[Any]]
+    ) -> dict[str, float]:
+        """`call`, for the calls that reply with metrics: a mapping of names to numbers."""
+        reply = await self.call(what, make)
+        if not isinstance(reply, Mapping):
+            raise BackendReplyError(
+                f"backend {self.backend.name!r} {what} returned {type(reply).__name__}; it must "
+                "return a dict of metric names to numbers (fix the backend)"
+            )
+        bad = {k: v for k, v in reply.items() if not _is_number(v) or not isinstance(k, str)}
+        if bad:
+            key, value = next(iter(bad.items()))
+            raise BackendReplyError(
+                f"backend {self.backend.name!r} {what} returned metric {key!r} = {value!r} "
+                f"({type(value).__name__}); metric values must be numbers (fix the backend)"
+            )
+        return {k: float(v) for k, v in reply.items()}
+
+
+async def in_daemon_thread(fn: Callable[[], T]) -> T:
+    """Run blocking `fn` in a daemon thread and await its result.
+
+    For calls that may never return (a remote service that stops answering): a caller past its
+    deadline abandons the thread, and neither the event loop's shutdown nor the interpreter's
+    exit waits for it, as both do for `asyncio.to_thread`'s threads.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return  # the caller gave up on it
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            outcome: tuple[T | None, BaseException | None] = (fn(), None)
+        except BaseException as e:
+            outcome = (None, e)
+        with contextlib.suppress(RuntimeError):  # the loop closed while this thread was stuck
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name=f"unified-{fn!r:.40}", daemon=True).start()
+    return await future
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def finite(metrics: Mapping[str, float], *keys: str) -> bool:
+    """Whether every one of `keys` present in `metrics` is a finite number."""
+    return all(math.isfinite(metrics[k]) for k in keys if k in metrics)

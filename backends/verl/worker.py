@@ -34,7 +34,7 @@ __all__ = ["PolicyWorker"]
 
 
 class PolicyWorker(TrainingWorker):  # type: ignore[misc]
-    """verl's training worker with a scheduled learning rate and a full-weights export."""
+    """verl's training worker: a scheduled learning rate, a full-weights export, a KL reference."""
 
     def __init__(self, config: Any, reference: Any = None) -> None:
         if get_device_name() == "cpu" and not dist.is_initialized():

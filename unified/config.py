@@ -90,6 +90,12 @@ class TrainerSection(_Section):
     stall_timeout: float = Field(
         600.0, gt=0, description="Seconds any wait may go without progress before it fails."
     )
+    stop_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGINT/SIGTERM, seconds the step in progress may wait for its running "
+        "groups before it is abandoned (its tasks are dispatched again on resume).",
+    )
 
 
 class AsyncConfig(_Section):

@@ -18,6 +18,7 @@ import pytest
 
 from tests.bandit import BanditBackend
 from tests.conftest import ConfigFactory
+from tests.crashing import check_run
 from tests.stopping import InterruptingWorkflow
 from unified import UnifiedTrainer
 from unified.checkpoint import RunDirectory
@@ -93,6 +94,23 @@ def test_a_step_whose_groups_miss_the_grace_is_abandoned_and_trained_after_resum
     fit({**config, "resume": True})
     assert logged_steps(run.path) == [1, 2, 3, 4, 5]
     assert trained(run.path) == trained(full.run_dir), "resume trains what no stop would have"
+
+
+@pytest.mark.parametrize("hang_s", [0.0, 60.0])
+def test_an_async_run_stopped_by_a_signal_resumes_with_every_group_ended_once(
+    make_config: ConfigFactory, hang_s: float
+) -> None:
+    config = {
+        **run_config(make_config, "async", save_every=5, stop_grace_s=0.1),
+        "mode": "async",
+        "async": {"max_staleness": 2, "sync_every": 1},
+    }
+    stops = InterruptingWorkflow(at=20, signal_number=signal.SIGTERM, hang_s=hang_s)
+    with pytest.raises(TrainingInterrupted):
+        fit(config, stops)
+    fit({**config, "resume": True})
+    check = check_run({**config, "resume": True})
+    assert not check.problems, check.problems
 
 
 def test_fit_restores_the_signal_handlers_it_found(make_config: ConfigFactory) -> None:

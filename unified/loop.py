@@ -121,6 +121,7 @@ class TrainingLoop:
         self.stop_signal: int | None = None
         """The signal number `request_stop` was called with, once it was."""
         self._saved_step = 0  # the step of the newest checkpoint; step 0 needs none
+        self._stop_deadline: float | None = None  # event-loop time the grace ends
         self._ready_wait: asyncio.Timeout | None = None
 
     # -- start and run ----------------------------------------------------------------------------
@@ -174,13 +175,18 @@ class TrainingLoop:
             await self._save()
 
     def request_stop(self, signal_number: int) -> None:
-        """Dispatch nothing more; the step in progress gets `stop_grace_s` to get its groups."""
+        """Dispatch nothing more; the step in progress gets `stop_grace_s` to get its groups.
+
+        Call it on the event loop running `run` (a signal handler added with
+        `loop.add_signal_handler` runs there); a second call changes nothing.
+        """
         if self.stop_signal is not None:
             return
         self.stop_signal = signal_number
+        self._stop_deadline = asyncio.get_running_loop().time() + self.config.trainer.stop_grace_s
         self.groups.set_wanted(0)
         if self._ready_wait is not None:
-            self._ready_wait.reschedule(self._stop_deadline())
+            self._ready_wait.reschedule(self._stop_deadline)
 
     @property
     def finished(self) -> bool:
@@ -262,10 +268,9 @@ class TrainingLoop:
     async def _next_ready(self, needed: int) -> Item:
         """The next group to train; after a stop, only within the grace and if `needed` more
         groups are still alive (no new ones are dispatched)."""
-        stopping = self.stop_signal is not None
-        if stopping and self.coordinator.alive < needed:
+        if self.stop_signal is not None and self.coordinator.alive < needed:
             raise _StepAbandoned
-        wait = self._ready_wait = asyncio.timeout_at(self._stop_deadline() if stopping else None)
+        wait = self._ready_wait = asyncio.timeout_at(self._stop_deadline)
         try:
             async with wait:
                 return await self.groups.next_ready()
@@ -275,9 +280,6 @@ class TrainingLoop:
             raise
         finally:
             self._ready_wait = None
-
-    def _stop_deadline(self) -> float:
-        return asyncio.get_running_loop().time() + self.config.trainer.stop_grace_s
 
     async def _forward(self, items: list[Item]) -> float:
         """`forward_backward` on `items` in dispatch order, `micro_batch_size` groups a call."""

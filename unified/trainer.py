@@ -94,7 +94,7 @@ class UnifiedTrainer:
         grace = self.config.trainer.stop_grace_s
         print(
             f"unified: {name}: stopping; the step in progress gets {grace:g} s to finish, then a "
-            f"checkpoint is written (send {name} again to exit at once, without one)",
+            f"checkpoint is written (send {name} again to exit at once, without it)",
             file=sys.stderr,
             flush=True,
         )
@@ -129,7 +129,7 @@ class UnifiedTrainer:
             await self.backend.setup(self.config)
             await loop.start(checkpoint)
             await loop.run()
-            if loop.stop_signal is not None:
+            if loop.stop_signal is not None and not loop.finished:
                 error = await asyncio.to_thread(_interrupted, loop, self.run)
         except BaseExceptionGroup as group:
             error = _first_cause(group)
@@ -180,7 +180,8 @@ def _signals_call(handler: Callable[[int], None]) -> Iterator[None]:
     finally:
         for signal_number, previous in installed:
             loop.remove_signal_handler(signal_number)
-            signal.signal(signal_number, previous)
+            if previous is not None:  # None: not set from Python; the default is back already
+                signal.signal(signal_number, previous)
 
 
 def _first_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -121,7 +121,7 @@ def test_group_ends_once_and_untrained_ones_free_their_slot() -> None:
     item = groups.take_ready()
     assert item is not None and item[0] == ready
     assert groups.take_ready() is None, "a group is taken once"
-    assert groups.in_flight() == [filtered.task_id, ready.task_id], (
+    assert groups.in_flight() == [(filtered.task_id, filtered.seq), (ready.task_id, ready.seq)], (
         "until their ledger lines are written both count as in flight"
     )
 

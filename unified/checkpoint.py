@@ -3,6 +3,8 @@
 `runs/<name>/config.yaml` is the resolved config, `ledger.jsonl` has one line per ended group,
 and `checkpoints/step_NNNNNN/` a complete snapshot (trainer state + backend state). A checkpoint
 is written into a temporary directory and renamed into place, so a reader never sees half of one.
+Resuming rewinds the ledger and `metrics.jsonl` to what the checkpoint had seen, so work redone
+after a crash is recorded once; a line torn by a crash mid-write is always past that point.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ class TrainerState(BaseModel):
     sampler: dict[str, int]
     redispatch: list[str] = []
     """Ids of tasks dispatched but not yet ended at save time; dispatched again on resume."""
+    redispatch_seqs: list[int] = []
+    """The groups' dispatch sequence numbers, in the order of `redispatch`: a group dispatched
+    again keeps its id and rollout seeds, so a resumed sync run trains what an uninterrupted one
+    trains."""
+    ledger_lines: int | None = None
+    """Ledger lines written before this checkpoint; resume drops the lines after them."""
 
 
 class RunDirectory:
@@ -60,12 +68,15 @@ class RunDirectory:
         self.path = path
         self.checkpoints = path / "checkpoints"
         self.ledger_path = path / "ledger.jsonl"
+        self.ledger_lines = 0
+        """Lines in the ledger: those kept on resume plus those appended since."""
 
     def create(self, config_yaml: str, *, resume: bool) -> Path | None:
         """Make the directory and write `config.yaml`; refuse to overwrite an unrelated run.
 
         With `resume`, return the newest complete checkpoint (None if there is none) after
-        dropping the ledger and metrics lines of steps it does not hold: that work is redone.
+        dropping the ledger and metrics lines it does not hold (that work is redone) and the
+        temporary directories of checkpoints a crash interrupted.
         """
         if self.path.exists() and any(self.path.iterdir()) and not resume:
             raise UsageError(
@@ -76,24 +87,24 @@ class RunDirectory:
         _write_atomic(self.path / "config.yaml", config_yaml)
         checkpoint = self.latest_checkpoint() if resume else None
         if resume:
-            step = self.load_state(checkpoint).step if checkpoint else 0
-            self._truncate_ledger(step)
-            self._truncate_metrics(step)
+            state = self.load_state(checkpoint) if checkpoint else None
+            self._truncate_ledger(state)
+            self._truncate_metrics(state.step if state else 0)
+            for tmp in self.checkpoints.glob(".tmp-step_*"):
+                shutil.rmtree(tmp)
         return checkpoint
 
     def append_ledger(self, entries: Iterable[LedgerEntry]) -> None:
         """Append ledger lines (blocking: call from a thread)."""
-        lines = "".join(e.model_dump_json() + "\n" for e in entries)
+        lines = [e.model_dump_json() + "\n" for e in entries]
         if lines:
             with self.ledger_path.open("a") as f:
-                f.write(lines)
+                f.write("".join(lines))
+            self.ledger_lines += len(lines)
 
     def read_ledger(self) -> list[LedgerEntry]:
-        """Every ledger line written so far."""
-        if not self.ledger_path.exists():
-            return []
-        text = self.ledger_path.read_text()
-        return [LedgerEntry.model_validate_json(line) for line in text.splitlines() if line]
+        """Every complete ledger line written so far."""
+        return [LedgerEntry.model_validate_json(line) for line in _complete_lines(self.ledger_path)]
 
     def latest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint directory, if any."""
@@ -160,18 +171,37 @@ class RunDirectory:
         """Read the trainer state of a checkpoint directory."""
         return TrainerState.model_validate_json((checkpoint / _STATE_FILE).read_text())
 
-    def _truncate_ledger(self, after_step: int) -> None:
-        """Drop ledger lines of steps after `after_step` (work lost with a crash; redone now)."""
-        kept = [e for e in self.read_ledger() if e.step <= after_step]
+    def _truncate_ledger(self, state: TrainerState | None) -> None:
+        """Keep the ledger lines written before the checkpoint of `state` (none without one).
+
+        The groups of later lines were in flight or not yet sampled at that checkpoint, so the
+        resumed run ends them again. Checkpoints without a line count keep lines by step.
+        """
+        entries = self.read_ledger()
+        if state is None:
+            kept = []
+        elif state.ledger_lines is None:
+            kept = [e for e in entries if e.step <= state.step]
+        else:
+            kept = entries[: state.ledger_lines]
         _write_atomic(self.ledger_path, "".join(e.model_dump_json() + "\n" for e in kept))
+        self.ledger_lines = len(kept)
 
     def _truncate_metrics(self, after_step: int) -> None:
         """Drop metrics lines of steps after `after_step`."""
         path = self.path / "metrics.jsonl"
         if path.exists():
-            lines = path.read_text().splitlines()
-            kept = [ln for ln in lines if ln and json.loads(ln).get("step", 0) <= after_step]
+            lines = _complete_lines(path)
+            kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= after_step]
             _write_atomic(path, "".join(ln + "\n" for ln in kept))
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """The non-empty lines of `path` that end in a newline: a crash mid-append tears only the
+    last line, which then lacks its newline and is left out."""
+    if not path.exists():
+        return []
+    return [line for line in path.read_text().split("\n")[:-1] if line]
 
 
 def _fresh_dir(path: Path) -> None:

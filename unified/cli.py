@@ -1,7 +1,8 @@
 """The `unified` command: `train`, `sft`, `eval` and `plot` (`unified --help`).
 
 A usage error (bad config, data, import path or capability) prints one line and exits 2;
-a run that cannot make progress exits 1 with the reason; Ctrl-C exits 130. Packages add
+a run that cannot make progress exits 1 with the reason; Ctrl-C exits 130 and SIGTERM 143 (during
+`train`, after an orderly stop and a final checkpoint; see docs/reliability.md). Packages add
 subcommands through the entry-point group `unified.commands` (name -> `module:function(argv)`
 returning the exit code), e.g. the tinker backend's `tinker-serve`; the core never imports them.
 """
@@ -16,7 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from importlib.metadata import EntryPoint, entry_points
 
-from unified.errors import UnifiedError, UsageError
+from unified.errors import TrainingInterrupted, UnifiedError, UsageError
 from unified.redaction import RedactingHandler, redact
 
 __all__ = ["main", "run_command"]
@@ -105,6 +106,9 @@ def run_command(command: Callable[[], int], prog: str = "unified") -> int:
     except UsageError as e:
         print(f"{prog}: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return e.exit_code
     except UnifiedError as e:
         print(f"{prog}: {type(e).__name__}: {_one_line(str(e))}", file=sys.stderr)
         return 1

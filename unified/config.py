@@ -138,6 +138,12 @@ class TrainerSection(_Section):
         "update skipped, counted in train/skipped_steps) tolerated; one more stops the run.",
     )
     retry: RetrySection = Field(default_factory=lambda: RetrySection())
+    stop_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGINT/SIGTERM, seconds the step in progress may wait for its running "
+        "groups before it is abandoned (its tasks are dispatched again on resume).",
+    )
 
     @field_validator("tis_cap")
     @classmethod

@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "StallError",
+    "TrainingInterrupted",
     "TrainingStopped",
     "TransientBackendError",
     "UnifiedError",
@@ -67,3 +68,17 @@ class StallError(UnifiedError):
 
 class TrainingStopped(UnifiedError):
     """Training cannot make progress (e.g. every group is filtered); the message says why."""
+
+
+class TrainingInterrupted(UnifiedError):
+    """SIGINT or SIGTERM stopped training in order; the newest checkpoint holds the run, and
+    `resume=true` continues it. The CLI exits with `exit_code` (128 + the signal number)."""
+
+    def __init__(self, message: str, *, signal_number: int) -> None:
+        super().__init__(message)
+        self.signal_number = signal_number
+
+    @property
+    def exit_code(self) -> int:
+        """130 for SIGINT, 143 for SIGTERM: the shell's code for a process ended by the signal."""
+        return 128 + self.signal_number

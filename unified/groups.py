@@ -78,8 +78,9 @@ class TrajectoryGroupBuffer:
         self._sampler = tasks
         self._ledger = ledger
         self._stall_timeout_s = stall_timeout_s
-        self._redispatch: deque[Task] = deque()
-        self._tasks: dict[str, Task] = {}  # every dispatched group not yet ended, by group id
+        self._redispatch: deque[tuple[Task, int]] = deque()
+        # Every dispatched group not yet ended, by group id: its task and sequence number.
+        self._tasks: dict[str, tuple[Task, int]] = {}
         self._episodes: dict[str, list[Episode]] = {}  # groups still generating
         self._ready: list[tuple[GroupTicket, TrajectoryGroup]] = []  # a heap, oldest first
         self._ended: list[EndedGroup] = []
@@ -91,11 +92,12 @@ class TrajectoryGroupBuffer:
 
     def dispatch(self) -> tuple[GroupTicket, Task]:
         """Admit one group (call only when `coordinator.can_admit()`); return it and its task."""
-        task = self._redispatch.popleft() if self._redispatch else self._sampler.next()
-        seq = self.next_seq
-        self.next_seq += 1
+        if self._redispatch:
+            task, seq = self._redispatch.popleft()
+        else:
+            task, seq = self._sampler.next(), self._new_seq()
         ticket = GroupTicket(self.coordinator.admit(), seq, f"g{seq:06d}-{task.id}", task.id)
-        self._tasks[ticket.group_id] = task
+        self._tasks[ticket.group_id] = (task, seq)
         self._episodes[ticket.group_id] = []
         if self._idle_since is not None:
             self._idle_s += time.monotonic() - self._idle_since
@@ -209,19 +211,32 @@ class TrajectoryGroupBuffer:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def in_flight(self) -> list[str]:
-        """Ids of the tasks to dispatch again on resume: dispatched groups not yet ended, first."""
-        return [task.id for task in self._tasks.values()] + [t.id for t in self._redispatch]
+    def in_flight(self) -> list[tuple[str, int]]:
+        """(task id, sequence number) of the groups to dispatch again on resume, in dispatch
+        order: dispatched groups not yet ended, then those still waiting to be dispatched again."""
+        return [(task.id, seq) for task, seq in [*self._tasks.values(), *self._redispatch]]
 
     def restore(
-        self, *, version: int, taken: int, next_seq: int, redispatch: Iterable[Task]
+        self,
+        *,
+        version: int,
+        taken: int,
+        next_seq: int,
+        redispatch: Iterable[tuple[Task, int | None]],
     ) -> None:
         """Continue a run at `version` with `taken` groups trained in its window, sequence
-        numbers from `next_seq`, and the tasks in flight at the checkpoint dispatched first."""
+        numbers from `next_seq`, and the groups in flight at the checkpoint dispatched first,
+        each under its old sequence number (so its id and rollout seeds) when it has one."""
         self.coordinator.restore(version, taken=taken)
         self.next_seq = next_seq
-        self._redispatch.extend(redispatch)
+        for task, seq in redispatch:
+            self._redispatch.append((task, self._new_seq() if seq is None else seq))
         self._notify()
+
+    def _new_seq(self) -> int:
+        seq = self.next_seq
+        self.next_seq += 1
+        return seq
 
     def take_idle_seconds(self) -> float:
         """Seconds since the last call during which no group was generating."""

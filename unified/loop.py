@@ -8,6 +8,10 @@ That call is the trainer's only wait at a sync: workflows keep running through i
 happens to a model request running at that moment is the backend's concern. Sync mode is the
 same loop at staleness 0 with an admission window of one step that trains only a whole batch,
 so generation and training alternate. Every task lives in a `TaskGroup` owned by `run`.
+
+`request_stop` (SIGINT/SIGTERM in `UnifiedTrainer.fit`) stops dispatch at once; the step in
+progress still trains if its groups are ready within `trainer.stop_grace_s`, else it is abandoned
+without an optimizer step. Then a checkpoint holds everything not trained, to dispatch again.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ __all__ = ["TrainingLoop"]
 Item = tuple[GroupTicket, TrajectoryGroup]
 
 _YOUNG_COLLECTION_EVERY = 50_000
+
+
+class _StepAbandoned(Exception):
+    """A stop was requested and the step in progress cannot get its groups within the grace."""
 
 
 @contextmanager
@@ -116,6 +124,11 @@ class TrainingLoop:
         self._tokens = 0
         self._time_up = False
         self._started = self._step_started = time.monotonic()
+        self.stop_signal: int | None = None
+        """The signal number `request_stop` was called with, once it was."""
+        self._saved_step = 0  # the step of the newest checkpoint; step 0 needs none
+        self._stop_deadline: float | None = None  # event-loop time the grace ends
+        self._ready_wait: asyncio.Timeout | None = None
 
     # -- start and run ----------------------------------------------------------------------------
 
@@ -124,33 +137,62 @@ class TrainingLoop:
         settings = self.config.trainer
         if checkpoint is not None:
             state = await RunDirectory.load_checkpoint(checkpoint, self._load_backend)
-            self.step = state.step
+            self.step = self._saved_step = state.step
             self.sampler.load_state_dict(state.sampler)
             by_id = {task.id: task for task in self.train_tasks}
+            # Checkpoints written before sequence numbers were kept get new ones.
+            seqs: list[int | None] = [*state.redispatch_seqs]
+            seqs += [None] * (len(state.redispatch) - len(seqs))
             # The backend restored its sampler (weights and version) itself; reopen the window
             # at the point the checkpoint was taken.
             self.groups.restore(
                 version=state.version,
                 taken=(state.step % self.coordinator.steps_per_window) * settings.batch_size,
                 next_seq=state.next_seq,
-                redispatch=[by_id[i] for i in state.redispatch if i in by_id],
+                redispatch=[
+                    (by_id[i], seq)
+                    for i, seq in zip(state.redispatch, seqs, strict=True)
+                    if i in by_id
+                ],
             )
-        if self.step == 0 and settings.eval_before_train and self.eval_tasks:
+        stopping = self.stop_signal is not None
+        if self.step == 0 and settings.eval_before_train and self.eval_tasks and not stopping:
             await self._log(await self._evaluate())
         self.groups.set_wanted(self._groups_wanted(0))
         self._step_started = self._started = time.monotonic()
         self.groups.take_idle_seconds()
 
     async def run(self) -> None:
-        """Train until `total_steps` (or `max_time_s`); the dispatcher runs alongside."""
+        """Train until `total_steps` (or `max_time_s`, or a stop); the dispatcher runs alongside.
+
+        After a stop, a checkpoint of the last trained step is written unless one exists.
+        """
         with _fewer_young_collections():
             async with asyncio.TaskGroup() as tg:
                 dispatcher = tg.create_task(self._dispatch())
                 try:
-                    while not self.finished:
+                    while not self.finished and self.stop_signal is None:
                         await self._train_step()
+                except _StepAbandoned:
+                    pass
                 finally:
                     dispatcher.cancel()
+        if self.stop_signal is not None and self._saved_step != self.step:
+            await self._save()
+
+    def request_stop(self, signal_number: int) -> None:
+        """Dispatch nothing more; the step in progress gets `stop_grace_s` to get its groups.
+
+        Call it on the event loop running `run` (a signal handler added with
+        `loop.add_signal_handler` runs there); a second call changes nothing.
+        """
+        if self.stop_signal is not None:
+            return
+        self.stop_signal = signal_number
+        self._stop_deadline = asyncio.get_running_loop().time() + self.config.trainer.stop_grace_s
+        self.groups.set_wanted(0)
+        if self._ready_wait is not None:
+            self._ready_wait.reschedule(self._stop_deadline)
 
     @property
     def finished(self) -> bool:
@@ -220,7 +262,7 @@ class TrainingLoop:
         wait_s = forward_s = 0.0
         while len(items) < batch:
             started = time.monotonic()
-            items.append(await self.groups.next_ready())
+            items.append(await self._next_ready(batch - len(items)))
             wait_s += time.monotonic() - started
             self.groups.set_wanted(self._groups_wanted(len(items)))
             self._record_ended(await self.groups.write_ended(self.step + 1))
@@ -228,6 +270,22 @@ class TrainingLoop:
                 first = (len(items) - 1) // self._train_every * self._train_every
                 forward_s += await self._forward(items[first:])
         await self._finish_step(items, forward_s=forward_s, wait_s=wait_s)
+
+    async def _next_ready(self, needed: int) -> Item:
+        """The next group to train; after a stop, only within the grace and if `needed` more
+        groups are still alive (no new ones are dispatched)."""
+        if self.stop_signal is not None and self.coordinator.alive < needed:
+            raise _StepAbandoned
+        wait = self._ready_wait = asyncio.timeout_at(self._stop_deadline)
+        try:
+            async with wait:
+                return await self.groups.next_ready()
+        except TimeoutError:
+            if wait.expired():
+                raise _StepAbandoned from None
+            raise
+        finally:
+            self._ready_wait = None
 
     async def _forward(self, items: list[Item]) -> float:
         """`forward_backward` on `items` in dispatch order, `micro_batch_size` groups a call."""
@@ -340,6 +398,8 @@ class TrainingLoop:
     # -- bookkeeping ------------------------------------------------------------------------------
 
     def _groups_wanted(self, taken_this_step: int) -> int:
+        if self.stop_signal is not None:
+            return 0
         settings = self.config.trainer
         remaining = (settings.total_steps - self.step) * settings.batch_size - taken_this_step
         return max(0, remaining)
@@ -376,14 +436,18 @@ class TrainingLoop:
         await asyncio.to_thread(self.metrics.log, self.step, metrics)
 
     async def _save(self) -> None:
+        in_flight = self.groups.in_flight()
         state = TrainerState(
             step=self.step,
             version=self.coordinator.version,
             next_seq=self.groups.next_seq,
             sampler=self.sampler.state_dict(),
-            redispatch=self.groups.in_flight(),
+            redispatch=[task_id for task_id, _ in in_flight],
+            redispatch_seqs=[seq for _, seq in in_flight],
+            ledger_lines=self.run_dir.ledger_lines,
         )
         await self.run_dir.save_checkpoint(state, self._save_backend)
+        self._saved_step = self.step
 
     async def _save_backend(self, directory: Path) -> None:
         await self.calls.call(

@@ -3,14 +3,21 @@
 It resolves what the config names, checks the backend's capabilities, creates the run directory
 and hands one `TrainingLoop` (sync or async, one loop) the rest. When `fit` returns or raises,
 no task of it is still running, the backend has been shut down and every metrics sink closed.
+`fit` (not `fit_async`, whose event loop belongs to the caller) turns SIGINT and SIGTERM into an
+orderly stop for as long as it runs: `TrainingInterrupted` after a final checkpoint; a second
+signal exits the process at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import shutil
-from collections.abc import Iterable, Mapping
+import signal
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +27,7 @@ from unified.backend_calls import BackendCalls
 from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig, load_config
 from unified.data import check_fields, load_eval_tasks, load_tasks
-from unified.errors import TrainingStopped, UsageError
+from unified.errors import TrainingInterrupted, TrainingStopped, UsageError
 from unified.loop import TrainingLoop
 from unified.metrics import metrics_for
 from unified.model_provider import model_provider, resolve_model
@@ -28,7 +35,7 @@ from unified.protocol import BackendProtocol, check_capabilities, create_backend
 from unified.rollout import WorkflowFn, required_fields, resolve_workflow
 from unified.types import Task
 
-__all__ = ["TrainResult", "TrainingStopped", "UnifiedTrainer"]
+__all__ = ["TrainResult", "TrainingInterrupted", "TrainingStopped", "UnifiedTrainer"]
 
 
 class TrainResult(BaseModel):
@@ -66,13 +73,46 @@ class UnifiedTrainer:
         check_fields(self.train_tasks, fields, what="data.train")
         check_fields(self.eval_tasks, fields, what="data.eval")
         self.run = RunDirectory(self.config.run_path)
+        self._loop: TrainingLoop | None = None
+        self._stop_signal: int | None = None
 
     def fit(self) -> TrainResult:
-        """Train to `trainer.total_steps`; blocking wrapper around `fit_async`."""
-        return asyncio.run(self.fit_async())
+        """Train to `trainer.total_steps`; blocking wrapper around `fit_async`.
+
+        SIGINT or SIGTERM stops the run in order (`TrainingInterrupted`, see `fit_async`); a
+        second one exits the process at once with 128 + its number. Handlers are restored after.
+        """
+
+        async def fit_stopping_on_signals() -> TrainResult:
+            with _signals_call(self._on_signal):
+                return await self.fit_async()
+
+        self._stop_signal = None
+        return asyncio.run(fit_stopping_on_signals())
+
+    def _on_signal(self, signal_number: int) -> None:
+        name = signal.Signals(signal_number).name
+        if self._stop_signal is not None:
+            print(f"unified: second {name}: exiting now", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(128 + signal_number)
+        self._stop_signal = signal_number
+        grace = self.config.trainer.stop_grace_s
+        print(
+            f"unified: {name}: stopping; the step in progress gets {grace:g} s to finish, then a "
+            f"checkpoint is written (send {name} again to exit at once, without it)",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self._loop is not None:
+            self._loop.request_stop(signal_number)
 
     async def fit_async(self) -> TrainResult:
-        """Train to `trainer.total_steps` on the running event loop."""
+        """Train to `trainer.total_steps` on the running event loop.
+
+        Raises `TrainingInterrupted` after an orderly stop (a signal during `fit`): dispatch
+        stopped, the step in progress trained or abandoned, a checkpoint written.
+        """
         loop: TrainingLoop | None = None
         error: BaseException | None = None
         calls = BackendCalls(self.backend, self.config.trainer)
@@ -91,14 +131,21 @@ class UnifiedTrainer:
                 run=self.run,
                 metrics=await asyncio.to_thread(metrics_for, self.config),
             )
+            self._loop = loop
+            if self._stop_signal is not None:
+                loop.request_stop(self._stop_signal)
             calls = loop.calls
             await calls.call("setup", functools.partial(self.backend.setup, self.config))
             await loop.start(checkpoint)
             await loop.run()
+            if loop.stop_signal is not None and not loop.finished:
+                error = await asyncio.to_thread(_interrupted, loop, self.run)
         except BaseExceptionGroup as group:
             error = _first_cause(group)
         except BaseException as e:
             error = e
+        finally:
+            self._loop = None
         try:
             await calls.call("shutdown", self.backend.shutdown)
             if loop is not None:
@@ -114,6 +161,39 @@ class UnifiedTrainer:
             raise error
         assert loop is not None
         return TrainResult(steps=loop.step, metrics=loop.last_metrics, run_dir=self.run.path)
+
+
+def _interrupted(loop: TrainingLoop, run: RunDirectory) -> TrainingInterrupted:
+    assert loop.stop_signal is not None
+    name = signal.Signals(loop.stop_signal).name
+    checkpoint = run.latest_checkpoint()
+    saved = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no step trained)"
+    return TrainingInterrupted(
+        f"{name}: training stopped after step {loop.step}; {saved}; continue with resume=true",
+        signal_number=loop.stop_signal,
+    )
+
+
+@contextmanager
+def _signals_call(handler: Callable[[int], None]) -> Iterator[None]:
+    """Run `handler(signal_number)` on the running loop for SIGINT and SIGTERM, then restore the
+    handlers found. Off the main thread (or without loop signal support) it installs nothing."""
+    loop = asyncio.get_running_loop()
+    installed: list[tuple[signal.Signals, Any]] = []
+    for signal_number in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(signal_number)
+        try:
+            loop.add_signal_handler(signal_number, handler, signal_number)
+        except (ValueError, RuntimeError, NotImplementedError):
+            continue
+        installed.append((signal_number, previous))
+    try:
+        yield
+    finally:
+        for signal_number, previous in installed:
+            loop.remove_signal_handler(signal_number)
+            if previous is not None:  # None: not set from Python; the default is back already
+                signal.signal(signal_number, previous)
 
 
 def _first_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -15,6 +15,7 @@ __all__ = [
     "TrainingStopped",
     "UnifiedError",
     "UsageError",
+    "WorkerError",
     "WorkflowError",
 ]
 
@@ -53,3 +54,7 @@ class StallError(UnifiedError):
 
 class TrainingStopped(UnifiedError):
     """Training cannot make progress (e.g. every group is filtered); the message says why."""
+
+
+class WorkerError(UnifiedError):
+    """Rollout workers cannot start, or every one of them died and none may be restarted."""

@@ -298,7 +298,13 @@ def rollout_executor(
     if config.rollout.workers == 0:
         deadlines = WorkflowDeadlines(config.trainer.workflow_timeout)
         return InProcessRollouts(workflow, backend, sampling, deadlines)
-    from unified.workers import WorkerPool  # imports Ray, only when asked for
+    try:
+        from unified.workers import WorkerPool  # imports Ray, only when asked for
+    except ImportError as e:
+        raise UsageError(
+            f"rollout.workers={config.rollout.workers} needs Ray ({e}); install it "
+            "(pip install 'unified[verl]' brings it) or set rollout.workers=0"
+        ) from e
 
     return WorkerPool(config, workflow, backend, sampling)
 

@@ -177,6 +177,8 @@ class _Worker:
         self.actor = actor
         self.in_flight = 0
         self.lost = asyncio.Event()
+        self.replies: list[Reply] = []
+        self.has_replies = asyncio.Event()
 
 
 class WorkerPool:
@@ -223,12 +225,10 @@ class WorkerPool:
             started = await asyncio.gather(*first, return_exceptions=True)
             failed = [e for e in started if isinstance(e, BaseException)]
             if failed:
-                for worker in started:
-                    if isinstance(worker, _Worker):
-                        ray.kill(worker.actor, no_restart=True)
                 raise WorkerError(
                     f"could not start {len(failed)} of {self._settings.workers} rollout workers: "
-                    f"{failed[0]!r}; check rollout.worker_cpus against the Ray cluster's CPUs"
+                    f"{failed[0]!r}; the workflow must pickle and import in the workers, and "
+                    "the Ray cluster needs rollout.worker_cpus free CPUs for each"
                 ) from failed[0]
             async with asyncio.TaskGroup() as keepers:
                 kept = [
@@ -325,13 +325,14 @@ class WorkerPool:
     async def _serve(self, worker: _Worker) -> None:
         """Answer `worker`'s model requests until it dies or stops answering."""
         try:
-            async with asyncio.TaskGroup() as replies:
+            async with asyncio.TaskGroup() as serving:
+                serving.create_task(self._deliver(worker))
                 while not worker.lost.is_set():
                     async with asyncio.timeout(_POLL_S + self._call_timeout_s):
                         requests = await worker.actor.take_requests.remote(_POLL_S)
                     engine = self._backend.rollout_engine()
                     for request in requests:
-                        replies.create_task(self._answer(worker, engine, request))
+                        serving.create_task(self._answer(worker, engine, request))
         except* (RayActorError, TimeoutError):
             pass  # lost: the caller replaces it
 
@@ -343,8 +344,18 @@ class WorkerPool:
             output = await call(payload, **sampling)
         except Exception as e:  # the workflow's model call raised: it gets the error
             output = _portable(e) or e
-        async with asyncio.timeout(self._call_timeout_s):
-            await worker.actor.deliver.remote([(call_id, output)])
+        worker.replies.append((call_id, output))
+        worker.has_replies.set()
+
+    async def _deliver(self, worker: _Worker) -> None:
+        """Send the answers back, all those ready in one call (one call per answer costs more
+        than the answer). Runs until `_serve` stops, which cancels it."""
+        while True:
+            await worker.has_replies.wait()
+            replies, worker.replies = worker.replies, []
+            worker.has_replies.clear()
+            async with asyncio.timeout(self._call_timeout_s):
+                await worker.actor.deliver.remote(replies)
 
     # -- episodes ---------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ process. The default run keeps the test of a worker's death; `-m slow` adds the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import Iterator
@@ -20,15 +21,16 @@ from backends.local.backend import LocalBackend
 from examples.countdown.workflow import CountdownWorkflow
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
+from unified.errors import BackendError
 from unified.protocol import RolloutEngine
-from unified.types import Task, Trajectory, TrajectoryGroup
+from unified.types import ModelOutput, Task, Trajectory, TrajectoryGroup
 
 ray = pytest.importorskip("ray")
 
 STEPS, BATCH, GROUP = 2, 2, 4
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def private_ray() -> Iterator[None]:
     settings = {
         "num_cpus": 2,
@@ -118,7 +120,34 @@ def trained_pids(backend: RecordingBackend) -> set[int]:
     }
 
 
+async def test_a_workers_model_calls_wait_for_the_trainers_replies_in_one_batch() -> None:
+    from unified.workers import _TrainerEngine
+
+    engine = _TrainerEngine(tokenizer=None)
+    first = asyncio.create_task(engine.chat([{"role": "user", "content": "hi"}], seed=1))
+    second = asyncio.create_task(engine.complete([1, 2], seed=2))
+    requests = await engine.take(wait_s=5.0)
+    assert [(method, sampling) for _, method, _, sampling in requests] == [
+        ("chat", {"seed": 1}),
+        ("complete", {"seed": 2}),
+    ], "both calls are taken in one long poll"
+    output = ModelOutput(
+        text="x",
+        prompt_ids=[1],
+        completion_ids=[2],
+        logprobs=[-1.0],
+        finish_reason="stop",
+        policy_version=0,
+    )
+    engine.deliver([(requests[0][0], output), (requests[1][0], BackendError("no sampler"))])
+    assert await first == output
+    with pytest.raises(BackendError, match="no sampler"):
+        await second
+    assert await engine.take(wait_s=0.01) == [], "nothing is left queued"
+
+
 @pytest.mark.slow  # the default run keeps the test below, which runs the same episodes and a death
+@pytest.mark.usefixtures("private_ray")
 def test_countdown_episodes_run_in_two_ray_workers(make_config: ConfigFactory) -> None:
     backend = RecordingBackend()
     result = UnifiedTrainer(countdown_on_two_workers(make_config), backend=backend).fit()
@@ -132,6 +161,7 @@ def test_countdown_episodes_run_in_two_ray_workers(make_config: ConfigFactory) -
     assert len(pids) == 2, f"episodes ran in {len(pids)} processes, expected the two workers"
 
 
+@pytest.mark.usefixtures("private_ray")
 def test_killing_a_worker_mid_run_loses_no_episode(
     make_config: ConfigFactory, tmp_path: Path
 ) -> None:

@@ -211,8 +211,6 @@ class WorkerPool:
         self._some_live = asyncio.Event()
         self._restarts_left = self._settings.max_worker_restarts
         self._keepers_left = workers
-        self.redispatched = 0
-        """Episodes dispatched again because their worker died."""
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -371,7 +369,6 @@ class WorkerPool:
                     return episode_result
             except (RayActorError, TimeoutError):
                 self._lose(worker)
-                self.redispatched += 1
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):
                     ray.cancel(result)

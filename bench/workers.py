@@ -109,12 +109,9 @@ def main() -> None:
 
     import ray
 
-    ray.init(
-        num_cpus=max(args.workers, os.cpu_count() or 1),
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
+    from unified.workers import start_local_ray
+
+    start_local_ray(max(args.workers, os.cpu_count() or 1))
     try:
         workflow = ToolAgent(args.turns, iterations_for(args.tool_ms))
         in_process = episodes_per_s(args, workflow, 0)

@@ -32,20 +32,9 @@ STEPS, BATCH, GROUP = 2, 2, 4
 
 @pytest.fixture(scope="module")
 def private_ray() -> Iterator[None]:
-    settings = {
-        "num_cpus": 2,
-        "include_dashboard": False,
-        "_node_ip_address": "127.0.0.1",
-        "log_to_driver": False,
-    }
-    try:
-        ray.init(**settings)
-    except Exception as e:
-        # Ray gives its raylet a fixed 30 s to register, which a loaded machine can miss.
-        if "timed out during startup" not in str(e):
-            raise
-        ray.shutdown()
-        ray.init(**settings)
+    from unified.workers import start_local_ray
+
+    start_local_ray(num_cpus=2)
     yield
     ray.shutdown()
 

@@ -40,7 +40,7 @@ from unified.rollout import (
 )
 from unified.types import Episode, ModelOutput, Task
 
-__all__ = ["RolloutWorker", "WorkerPool"]
+__all__ = ["RolloutWorker", "WorkerPool", "start_local_ray"]
 
 log = logging.getLogger(__name__)
 
@@ -255,12 +255,7 @@ class WorkerPool:
             ray.init(address=address)
         else:
             needed = int(self._settings.workers * self._settings.worker_cpus + 0.999)
-            ray.init(
-                num_cpus=max(needed, os.cpu_count() or 1),
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                log_to_driver=False,
-            )
+            start_local_ray(max(needed, os.cpu_count() or 1))
         return True
 
     def _remote_class(self) -> Any:
@@ -395,6 +390,28 @@ class WorkerPool:
             async with asyncio.timeout(self._call_timeout_s):
                 await self._some_live.wait()
         return min(self._live, key=_in_flight)
+
+
+def start_local_ray(num_cpus: int) -> None:
+    """Start a private Ray on 127.0.0.1 with `num_cpus` CPUs (blocking: seconds to a minute).
+
+    Ray gives its raylet a fixed 30 s to register at start-up, which a loaded machine can miss;
+    a start that timed out that way is tried once more.
+    """
+    settings: dict[str, Any] = {
+        "num_cpus": num_cpus,
+        "include_dashboard": False,
+        "_node_ip_address": "127.0.0.1",
+        "log_to_driver": False,
+    }
+    try:
+        ray.init(**settings)
+    except Exception as e:
+        if "timed out during startup" not in str(e):
+            raise
+        log.warning("Ray did not start in time (%s); trying once more", e)
+        ray.shutdown()
+        ray.init(**settings)
 
 
 def _in_flight(worker: _Worker) -> int:

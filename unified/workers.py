@@ -395,14 +395,17 @@ class WorkerPool:
 def start_local_ray(num_cpus: int) -> None:
     """Start a private Ray on 127.0.0.1 with `num_cpus` CPUs (blocking: seconds to a minute).
 
-    Ray gives its raylet a fixed 30 s to register at start-up, which a loaded machine can miss;
-    a start that timed out that way is tried once more.
+    Its workers run at the trainer's priority: Ray's default (`nice` +15) would hand their
+    workflows' CPU to any other process on a busy machine. Ray gives its raylet a fixed 30 s to
+    register at start-up, which a loaded machine can miss; a start that timed out that way is
+    tried once more.
     """
     settings: dict[str, Any] = {
         "num_cpus": num_cpus,
         "include_dashboard": False,
         "_node_ip_address": "127.0.0.1",
         "log_to_driver": False,
+        "_system_config": {"worker_niceness": 0},
     }
     try:
         ray.init(**settings)

@@ -319,13 +319,14 @@ class WorkerPool:
         """Answer `worker`'s model requests until it dies or stops answering."""
         try:
             async with asyncio.TaskGroup() as serving:
-                serving.create_task(self._deliver(worker))
+                delivering = serving.create_task(self._deliver(worker))
                 while not worker.lost.is_set():
                     async with asyncio.timeout(_POLL_S + self._call_timeout_s):
                         requests = await worker.actor.take_requests.remote(_POLL_S)
                     engine = self._backend.rollout_engine()
                     for request in requests:
                         serving.create_task(self._answer(worker, engine, request))
+                delivering.cancel()
         except* (RayActorError, TimeoutError):
             pass  # lost: the caller replaces it
 

@@ -37,11 +37,11 @@ def busy(iterations: int) -> int:
 
 
 def iterations_for(ms: float) -> int:
-    """Iterations of `busy` that take about `ms` milliseconds on this machine now."""
-    n = 100_000
-    started = time.perf_counter()
+    """Iterations of `busy` that take about `ms` milliseconds of CPU on this machine."""
+    n = 200_000
+    started = time.process_time()  # CPU time: a loaded machine must not shrink the work
     busy(n)
-    elapsed = time.perf_counter() - started
+    elapsed = time.process_time() - started
     return max(1, int(n * ms / 1e3 / elapsed))
 
 
@@ -68,8 +68,11 @@ class ToolAgent:
         return Trajectory(steps=steps, reward=reward)
 
 
-def episodes_per_s(args: argparse.Namespace, workflow: ToolAgent, workers: int) -> float:
-    """Steady-state episodes per second of one run (first optimizer step to last)."""
+def episodes_per_s(
+    args: argparse.Namespace, workflow: ToolAgent, workers: int
+) -> tuple[float, float]:
+    """Steady-state episodes per second of one run (first optimizer step to last), and the
+    trainer process's CPU milliseconds per episode over the same span."""
     with tempfile.TemporaryDirectory() as tmp:
         config = {
             "name": f"workers{workers}",
@@ -91,9 +94,9 @@ def episodes_per_s(args: argparse.Namespace, workflow: ToolAgent, workers: int) 
         }
         backend = ZeroBackend()
         UnifiedTrainer(config, workflow=workflow, backend=backend, train_tasks=tasks(4096)).fit()
-    (wall0, _), (wall1, _) = backend.step_times[0], backend.step_times[-1]
+    (wall0, cpu0), (wall1, cpu1) = backend.step_times[0], backend.step_times[-1]
     episodes = (len(backend.step_times) - 1) * args.groups * args.group_size
-    return episodes / (wall1 - wall0)
+    return episodes / (wall1 - wall0), (cpu1 - cpu0) / episodes * 1e3
 
 
 def main() -> None:
@@ -114,8 +117,8 @@ def main() -> None:
     start_local_ray(max(args.workers, os.cpu_count() or 1))
     try:
         workflow = ToolAgent(args.turns, iterations_for(args.tool_ms))
-        in_process = episodes_per_s(args, workflow, 0)
-        on_workers = episodes_per_s(args, workflow, args.workers)
+        in_process, in_process_cpu_ms = episodes_per_s(args, workflow, 0)
+        on_workers, on_workers_cpu_ms = episodes_per_s(args, workflow, args.workers)
     finally:
         ray.shutdown()
     ratio = on_workers / in_process
@@ -123,13 +126,21 @@ def main() -> None:
         "episodes_per_s_in_process": in_process,
         f"episodes_per_s_{args.workers}_workers": on_workers,
         "ratio": ratio,
+        "trainer_cpu_ms_per_episode_in_process": in_process_cpu_ms,
+        f"trainer_cpu_ms_per_episode_{args.workers}_workers": on_workers_cpu_ms,
         "tool_ms": args.tool_ms,
         "turns": args.turns,
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
     }
-    print(f"rollout.workers: 0   {in_process:6.2f} episodes/s")
-    print(f"rollout.workers: {args.workers}   {on_workers:6.2f} episodes/s   ({ratio:.2f}x)")
+    print(
+        f"rollout.workers: 0   {in_process:6.2f} episodes/s   "
+        f"trainer CPU {in_process_cpu_ms:6.1f} ms per episode"
+    )
+    print(
+        f"rollout.workers: {args.workers}   {on_workers:6.2f} episodes/s   "
+        f"trainer CPU {on_workers_cpu_ms:6.1f} ms per episode   ({ratio:.2f}x)"
+    )
     print(f"({args.turns} tool calls of {args.tool_ms:g} ms per episode; load {os.getloadavg()})")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

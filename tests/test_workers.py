@@ -2,8 +2,8 @@
 
 One private Ray on 127.0.0.1 serves the module (start-up is the slow part, from 15 s to over a
 minute on a loaded 2-core machine); each run starts its two workers in it and kills them at the
-end. The policy is the local backend's built-in model, served to the workers by the trainer
-process. The default run keeps the test of a worker's death; `-m slow` adds the plain run.
+end (about 10-20 s a run once Ray is up). The policy is the local backend's built-in model,
+served to the workers by the trainer process.
 """
 
 from __future__ import annotations
@@ -135,7 +135,6 @@ async def test_a_workers_model_calls_wait_for_the_trainers_replies_in_one_batch(
     assert await engine.take(wait_s=0.01) == [], "nothing is left queued"
 
 
-@pytest.mark.slow  # the default run keeps the test below, which runs the same episodes and a death
 @pytest.mark.usefixtures("private_ray")
 def test_countdown_episodes_run_in_two_ray_workers(make_config: ConfigFactory) -> None:
     backend = RecordingBackend()

@@ -31,6 +31,7 @@ __all__ = [
     "DataConfig",
     "LoggingConfig",
     "RetrySection",
+    "RolloutConfig",
     "SamplingConfig",
     "TrainerConfig",
     "TrainerSection",
@@ -171,6 +172,35 @@ class AsyncConfig(_Section):
     )
 
 
+class RolloutConfig(_Section):
+    """`rollout:` — where workflows run: in the trainer process, or on Ray actors (workers)."""
+
+    workers: int = Field(
+        0,
+        ge=0,
+        description="Ray actors that run workflows (with their tools and environments); each "
+        "calls the policy through the trainer. 0: workflows run in the trainer process.",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster to join (e.g. 'auto' or 'ray://head:10001'); default: join the "
+        "Ray already running in this process, else start a local one.",
+    )
+    worker_concurrency: int | None = Field(
+        None,
+        ge=1,
+        description="Most workflows one worker runs at once (default: async.max_concurrency "
+        "divided among the workers).",
+    )
+    worker_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved per worker.")
+    max_worker_restarts: int = Field(
+        4,
+        ge=0,
+        description="Dead workers replaced over the run; past it the rest carry on, and the run "
+        "stops when none is left.",
+    )
+
+
 class SamplingConfig(_Section):
     """`sampling:` — settings for training rollouts and for evaluation, chosen per request."""
 
@@ -215,6 +245,7 @@ class TrainerConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     resume: bool = Field(False, description="Continue from the newest complete checkpoint.")

@@ -18,6 +18,7 @@ __all__ = [
     "TransientBackendError",
     "UnifiedError",
     "UsageError",
+    "WorkerError",
     "WorkflowError",
 ]
 
@@ -82,3 +83,7 @@ class TrainingInterrupted(UnifiedError):
     def exit_code(self) -> int:
         """130 for SIGINT, 143 for SIGTERM: the shell's code for a process ended by the signal."""
         return 128 + self.signal_number
+
+
+class WorkerError(UnifiedError):
+    """Rollout workers cannot start, or every one of them died and none may be restarted."""

@@ -35,13 +35,7 @@ from unified.evaluation import evaluate
 from unified.groups import EndedGroup, GroupTicket, TrajectoryGroupBuffer
 from unified.metrics import MetricsAggregator
 from unified.protocol import BackendProtocol
-from unified.rollout import (
-    SamplingEngine,
-    WorkflowDeadlines,
-    WorkflowFn,
-    WorkflowSlots,
-    run_episode,
-)
+from unified.rollout import WorkflowFn, WorkflowSlots, rollout_executor
 from unified.schedule import learning_rate
 from unified.types import Episode, Task, TrajectoryGroup
 
@@ -106,10 +100,10 @@ class TrainingLoop:
             stall_timeout_s=settings.stall_timeout,
         )
         self.slots = WorkflowSlots.for_config(config)
-        self._deadlines = WorkflowDeadlines(settings.workflow_timeout)
         self.calls = BackendCalls(backend, settings, self.describe)
         self._loss_finite = True
         self._bad_steps_in_a_row = 0
+        self.rollouts = rollout_executor(config, workflow, backend)
         self.step = 0
         self.last_metrics: dict[str, float] = {}
         # Async mode trains a micro-batch as soon as it is ready; sync mode only a whole batch.
@@ -118,7 +112,6 @@ class TrainingLoop:
             if config.mode == "async"
             else settings.batch_size
         )
-        self._train_sampling = config.sampling.train.model_dump()
         self._episodes_done = 0
         self._episodes_failed = 0
         self._tokens = 0
@@ -168,7 +161,7 @@ class TrainingLoop:
         After a stop, a checkpoint of the last trained step is written unless one exists.
         """
         with _fewer_young_collections():
-            async with asyncio.TaskGroup() as tg:
+            async with self.rollouts.serving(), asyncio.TaskGroup() as tg:
                 dispatcher = tg.create_task(self._dispatch())
                 try:
                     while not self.finished and self.stop_signal is None:
@@ -217,16 +210,10 @@ class TrainingLoop:
         settings = self.config.trainer
         seed = ((settings.seed * 1_000_003 + ticket.seq) * 1_009 + index) % 2**31
         async with self.slots:
-            engine = SamplingEngine(self.backend.rollout_engine(), self._train_sampling, seed)
-            episode, error = await run_episode(
-                self.workflow,
-                task,
-                engine,
-                rollout_index=index,
-                version=ticket.version,
-                deadlines=self._deadlines,
+            episode, error, tokens = await self.rollouts.run(
+                task, index, version=ticket.version, seed=seed
             )
-        self._tokens += engine.completion_tokens
+        self._tokens += tokens
         self._episodes_done += 1
         if error is not None:
             self._count_failure(episode, error)

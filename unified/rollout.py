@@ -10,10 +10,11 @@ workflows run at once and how fast they start.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncio_throttle.throttler import Throttler
 from pydantic import ValidationError
@@ -25,18 +26,26 @@ from unified.types import Episode, EpisodeStatus, ModelOutput, SamplingParams, T
 
 if TYPE_CHECKING:
     from unified.config import TrainerConfig
+    from unified.protocol import BackendProtocol
 
 __all__ = [
+    "EpisodeResult",
+    "InProcessRollouts",
+    "RolloutExecutor",
     "SamplingEngine",
     "WorkflowDeadlines",
     "WorkflowFn",
     "WorkflowSlots",
     "required_fields",
     "resolve_workflow",
+    "rollout_executor",
     "run_episode",
 ]
 
 WorkflowFn = Callable[[Task, RolloutEngine], Awaitable[Any]]
+
+EpisodeResult = tuple[Episode, BaseException | None, int]
+"""One finished rollout: the episode, the exception if it failed, the completion tokens sampled."""
 
 
 class SamplingEngine(RolloutEngine):
@@ -250,6 +259,68 @@ async def run_episode(
         policy_version=version,
     )
     return episode, None
+
+
+class RolloutExecutor(Protocol):
+    """Where the trainer's rollouts run: `run` one episode, inside `serving()` for the whole run."""
+
+    def serving(self) -> contextlib.AbstractAsyncContextManager[object]:
+        """Start what `run` needs (workers, their connections) and stop it on exit."""
+        ...
+
+    async def run(self, task: Task, index: int, *, version: int, seed: int) -> EpisodeResult:
+        """Roll out `task` once (rollout `index`, sampling `seed`) under policy `version`."""
+        ...
+
+
+class InProcessRollouts:
+    """Workflows as tasks on the trainer's own event loop (`rollout.workers: 0`, the default)."""
+
+    def __init__(
+        self,
+        workflow: WorkflowFn,
+        backend: BackendProtocol,
+        sampling: dict[str, Any],
+        deadlines: WorkflowDeadlines,
+    ) -> None:
+        self._workflow = workflow
+        self._backend = backend
+        self._sampling = sampling
+        self._deadlines = deadlines
+
+    def serving(self) -> contextlib.AbstractAsyncContextManager[object]:
+        return contextlib.nullcontext()
+
+    async def run(self, task: Task, index: int, *, version: int, seed: int) -> EpisodeResult:
+        engine = SamplingEngine(self._backend.rollout_engine(), self._sampling, seed)
+        episode, error = await run_episode(
+            self._workflow,
+            task,
+            engine,
+            rollout_index=index,
+            version=version,
+            deadlines=self._deadlines,
+        )
+        return episode, error, engine.completion_tokens
+
+
+def rollout_executor(
+    config: TrainerConfig, workflow: WorkflowFn, backend: BackendProtocol
+) -> RolloutExecutor:
+    """The executor `rollout.workers` asks for: in process (0), or on that many Ray workers."""
+    sampling = config.sampling.train.model_dump()
+    if config.rollout.workers == 0:
+        deadlines = WorkflowDeadlines(config.trainer.workflow_timeout)
+        return InProcessRollouts(workflow, backend, sampling, deadlines)
+    try:
+        from unified.workers import WorkerPool  # imports Ray, only when asked for
+    except ImportError as e:
+        raise UsageError(
+            f"rollout.workers={config.rollout.workers} needs Ray ({e}); install it "
+            "(pip install 'unified[verl]' brings it) or set rollout.workers=0"
+        ) from e
+
+    return WorkerPool(config, workflow, backend, sampling)
 
 
 def _timed_out(

@@ -1,0 +1,171 @@
+"""Rollout workers on Ray: countdown episodes run in two actors, and a worker's death loses none.
+
+One private Ray on 127.0.0.1 serves the module (start-up is the slow part, from 15 s to over a
+minute on a loaded 2-core machine); each run starts its two workers in it and kills them at the
+end (about 10-20 s a run once Ray is up). The policy is the local backend's built-in model,
+served to the workers by the trainer process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.local.backend import LocalBackend
+from examples.countdown.workflow import CountdownWorkflow
+from tests.conftest import ConfigFactory
+from unified import UnifiedTrainer
+from unified.errors import BackendError
+from unified.protocol import RolloutEngine
+from unified.types import ModelOutput, Task, Trajectory, TrajectoryGroup
+
+ray = pytest.importorskip("ray")
+
+STEPS, BATCH, GROUP = 2, 2, 4
+
+
+@pytest.fixture(scope="module")
+def private_ray() -> Iterator[None]:
+    from unified.workers import start_local_ray
+
+    start_local_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+class PidCountdown(CountdownWorkflow):
+    """Countdown that records the process each episode ran in (`info["pid"]` of its steps)."""
+
+    async def run(self, task: Task, model: RolloutEngine) -> Trajectory:
+        trajectory = await super().run(task, model)
+        for step in trajectory.steps:
+            step.info["pid"] = os.getpid()
+        return trajectory
+
+
+class DiesOnce(PidCountdown):
+    """Kills its own worker process in the middle of the first episode of task `doomed_task`.
+
+    An instance travels to the workers pickled, with `marker`; the marker file makes it once.
+    """
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    async def run(self, task: Task, model: RolloutEngine) -> Trajectory:
+        trajectory = await super().run(task, model)
+        if not self.marker.exists():
+            self.marker.write_text(str(os.getpid()))
+            os._exit(1)
+        return trajectory
+
+
+class RecordingBackend(LocalBackend):
+    """The local backend, keeping every group it trained on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trained: list[TrajectoryGroup] = []
+
+    async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        self.trained.extend(groups)
+        return await super().forward_backward(groups)
+
+
+def countdown_on_two_workers(make_config: ConfigFactory) -> dict[str, Any]:
+    return make_config(
+        mode="async",
+        backend="local",
+        workflow="tests.test_workers:PidCountdown",
+        model="builtin:tiny",
+        data={"train": {"generator": "examples.countdown.tasks:make_tasks", "n": 32}},
+        trainer={
+            "total_steps": STEPS,
+            "batch_size": BATCH,
+            "group_size": GROUP,
+            "lr": 1e-3,
+            "filter_groups": False,
+            "workflow_timeout": 120,
+            "stall_timeout": 300,  # Ray actors start slowly on a loaded machine
+        },
+        sampling={"train": {"max_tokens": 6}},
+        rollout={"workers": 2, "worker_cpus": 0.5},
+    )
+
+
+def trained_pids(backend: RecordingBackend) -> set[int]:
+    return {
+        step.info["pid"]
+        for group in backend.trained
+        for episode in group.episodes
+        for trajectory in episode.trajectories
+        for step in trajectory.steps
+    }
+
+
+async def test_a_workers_model_calls_wait_for_the_trainers_replies_in_one_batch() -> None:
+    from unified.workers import _TrainerEngine
+
+    engine = _TrainerEngine(tokenizer=None)
+    first = asyncio.create_task(engine.chat([{"role": "user", "content": "hi"}], seed=1))
+    second = asyncio.create_task(engine.complete([1, 2], seed=2))
+    requests = await engine.take(wait_s=5.0)
+    assert [(method, sampling) for _, method, _, sampling in requests] == [
+        ("chat", {"seed": 1}),
+        ("complete", {"seed": 2}),
+    ], "both calls are taken in one long poll"
+    output = ModelOutput(
+        text="x",
+        prompt_ids=[1],
+        completion_ids=[2],
+        logprobs=[-1.0],
+        finish_reason="stop",
+        policy_version=0,
+    )
+    engine.deliver([(requests[0][0], output), (requests[1][0], BackendError("no sampler"))])
+    assert await first == output
+    with pytest.raises(BackendError, match="no sampler"):
+        await second
+    assert await engine.take(wait_s=0.01) == [], "nothing is left queued"
+
+
+@pytest.mark.usefixtures("private_ray")
+def test_countdown_episodes_run_in_two_ray_workers(make_config: ConfigFactory) -> None:
+    backend = RecordingBackend()
+    result = UnifiedTrainer(countdown_on_two_workers(make_config), backend=backend).fit()
+
+    assert result.steps == STEPS
+    assert len(backend.trained) == STEPS * BATCH, "every admitted group is trained"
+    episodes = [e for group in backend.trained for e in group.episodes]
+    assert all(e.status == "ok" for e in episodes), [e.error for e in episodes]
+    pids = trained_pids(backend)
+    assert os.getpid() not in pids, "no episode ran in the trainer process"
+    assert len(pids) == 2, f"episodes ran in {len(pids)} processes, expected the two workers"
+
+
+@pytest.mark.usefixtures("private_ray")
+def test_killing_a_worker_mid_run_loses_no_episode(
+    make_config: ConfigFactory, tmp_path: Path
+) -> None:
+    marker = tmp_path / "killed"
+    backend = RecordingBackend()
+    config = countdown_on_two_workers(make_config)
+    trainer = UnifiedTrainer(config, workflow=DiesOnce(marker), backend=backend)
+
+    result = trainer.fit()
+
+    assert marker.exists(), "a worker was killed mid-run"
+    assert result.steps == STEPS
+    assert result.metrics["episodes/errors"] == 0.0
+    ledger = [json.loads(line) for line in (result.run_dir / "ledger.jsonl").open()]
+    assert [entry["outcome"] for entry in ledger] == ["trained"] * (STEPS * BATCH)
+    for group in backend.trained:
+        indices = sorted(e.rollout_index for e in group.episodes)
+        assert indices == list(range(GROUP)), f"group {group.task_id} has rollouts {indices}"
+        assert all(e.status == "ok" for e in group.episodes)

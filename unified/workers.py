@@ -1,0 +1,431 @@
+"""Rollout workers: workflows run on Ray actors; the policy stays with the trainer's backend.
+
+With `rollout.workers: N > 0`, each episode runs in one of N Ray actors (`RolloutWorker`), each
+with its own event loop and concurrency limit, so tool and environment work is spread over
+processes (and nodes). The trainer keeps admission, groups and the ledger; it gets finished
+`Episode`s back. A workflow's model calls come back to the trainer: the worker queues each
+request, the trainer long-polls every worker for its queue (`take_requests`), runs the requests
+on `backend.rollout_engine()` and delivers the outputs (`deliver`). Every backend works this way,
+wherever its model lives, and weight syncs stay where they are.
+
+Invariant: every `WorkerPool.run` returns exactly one episode. A worker that dies is detected on
+the calls pending on it; its episodes run again (same task, rollout index, version and seed) on
+the live workers while a replacement starts, up to `rollout.max_worker_restarts` over the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import pickle
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from unified.config import TrainerConfig
+from unified.errors import WorkerError, WorkflowError
+from unified.protocol import BackendProtocol, RolloutEngine, Tokenizer
+from unified.rollout import (
+    EpisodeResult,
+    SamplingEngine,
+    WorkflowDeadlines,
+    WorkflowFn,
+    WorkflowSlots,
+    run_episode,
+)
+from unified.types import Episode, ModelOutput, Task
+
+__all__ = ["RolloutWorker", "WorkerPool", "start_local_ray"]
+
+log = logging.getLogger(__name__)
+
+Request = tuple[int, str, Any, dict[str, Any]]
+"""A model call queued by a worker: (call id, "chat" or "complete", messages or ids, sampling)."""
+
+Reply = tuple[int, ModelOutput | BaseException]
+
+_POLL_S = 5.0
+"""How long one `take_requests` long-poll waits for a request before returning empty."""
+
+_ATTEMPTS = 3
+"""Runs of one episode whose worker died before it is recorded as an error episode."""
+
+
+class _TrainerEngine(RolloutEngine):
+    """The policy as seen from inside a worker: each call waits for the trainer's reply."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self._tokenizer = tokenizer
+        self._ids = itertools.count()
+        self._waiting: dict[int, asyncio.Future[ModelOutput]] = {}
+        self._queue: list[Request] = []
+        self._queued = asyncio.Event()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise WorkerError(
+                "the backend's tokenizer could not be sent to the rollout workers (not "
+                "picklable); use rollout.workers=0 for workflows that need model.tokenizer"
+            )
+        return self._tokenizer
+
+    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
+        return await self._ask("chat", list(messages), sampling)
+
+    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
+        return await self._ask("complete", prompt_ids, sampling)
+
+    async def _ask(self, method: str, payload: Any, sampling: dict[str, Any]) -> ModelOutput:
+        call_id = next(self._ids)
+        reply: asyncio.Future[ModelOutput] = asyncio.get_running_loop().create_future()
+        self._waiting[call_id] = reply
+        self._queue.append((call_id, method, payload, sampling))
+        self._queued.set()
+        try:
+            return await reply
+        finally:
+            self._waiting.pop(call_id, None)
+
+    async def take(self, wait_s: float) -> list[Request]:
+        """The queued requests, waiting up to `wait_s` for the first one."""
+        if not self._queue:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await self._queued.wait()
+        requests, self._queue = self._queue, []
+        self._queued.clear()
+        return requests
+
+    def deliver(self, replies: list[Reply]) -> None:
+        """Resolve waiting calls; a reply for a call given up on (a timed-out run) is dropped."""
+        for call_id, output in replies:
+            reply = self._waiting.get(call_id)
+            if reply is None or reply.done():
+                continue
+            if isinstance(output, BaseException):
+                reply.set_exception(output)
+            else:
+                reply.set_result(output)
+
+
+class RolloutWorker:
+    """A Ray actor that runs workflows on its own event loop, at most `concurrency` at once."""
+
+    def __init__(
+        self,
+        workflow: WorkflowFn,
+        tokenizer: Tokenizer | None,
+        sampling: dict[str, Any],
+        timeout_s: float,
+        concurrency: int,
+    ) -> None:
+        self._workflow = workflow
+        self._engine = _TrainerEngine(tokenizer)
+        self._sampling = sampling
+        self._deadlines = WorkflowDeadlines(timeout_s)
+        self._slots = WorkflowSlots(concurrency)
+
+    async def ready(self) -> int:
+        """The worker's process id, once it is up."""
+        return os.getpid()
+
+    async def run(self, task: Task, index: int, version: int, seed: int) -> EpisodeResult:
+        """One episode, exactly as the trainer process would run it."""
+        async with self._slots:
+            engine = SamplingEngine(self._engine, self._sampling, seed)
+            episode, error = await run_episode(
+                self._workflow,
+                task,
+                engine,
+                rollout_index=index,
+                version=version,
+                deadlines=self._deadlines,
+            )
+        return episode, _portable(error), engine.completion_tokens
+
+    async def take_requests(self, wait_s: float) -> list[Request]:
+        """The model calls queued since the last take (long poll, up to `wait_s`)."""
+        return await self._engine.take(wait_s)
+
+    async def deliver(self, replies: list[Reply]) -> None:
+        """The trainer's outputs (or errors) for earlier requests."""
+        self._engine.deliver(replies)
+
+
+def _portable(error: BaseException | None) -> BaseException | None:
+    """`error` if it survives pickling, else a `WorkflowError` that says what it was."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return WorkflowError(f"{type(error).__name__}: {error}")
+    return error
+
+
+class _Worker:
+    """The trainer's record of one live actor."""
+
+    def __init__(self, slot: int, actor: Any) -> None:
+        self.slot = slot
+        self.actor = actor
+        self.in_flight = 0
+        self.lost = asyncio.Event()
+        self.replies: list[Reply] = []
+        self.has_replies = asyncio.Event()
+
+
+class WorkerPool:
+    """`rollout.workers` Ray actors running the trainer's rollouts (a `RolloutExecutor`).
+
+    `serving()` joins Ray (or starts a local one), starts the workers and, for each, serves its
+    model requests and replaces it when it dies; on exit it kills them, and stops Ray if it
+    started it.
+    """
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        workflow: WorkflowFn,
+        backend: BackendProtocol,
+        sampling: dict[str, Any],
+    ) -> None:
+        self._settings = config.rollout
+        self._workflow = workflow
+        self._backend = backend
+        self._sampling = sampling
+        self._workflow_timeout_s = config.trainer.workflow_timeout
+        # A call to a worker that passes this without a reply means the worker is stuck.
+        self._call_timeout_s = config.trainer.stall_timeout
+        workers = self._settings.workers
+        self._concurrency = self._settings.worker_concurrency or -(
+            -config.async_.max_concurrency // workers
+        )
+        self._live: list[_Worker] = []
+        self._some_live = asyncio.Event()
+        self._restarts_left = self._settings.max_worker_restarts
+        self._keepers_left = workers
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[None]:
+        started_ray = await asyncio.to_thread(self._join_ray)
+        try:
+            remote = self._remote_class()
+            first = [self._start(remote, slot) for slot in range(self._settings.workers)]
+            started = await asyncio.gather(*first, return_exceptions=True)
+            failed = [e for e in started if isinstance(e, BaseException)]
+            if failed:
+                raise WorkerError(
+                    f"could not start {len(failed)} of {self._settings.workers} rollout workers: "
+                    f"{failed[0]!r}; the workflow must pickle and import in the workers, and "
+                    "the Ray cluster needs rollout.worker_cpus free CPUs for each"
+                ) from failed[0]
+            async with asyncio.TaskGroup() as keepers:
+                kept = [
+                    keepers.create_task(self._keep(remote, worker))
+                    for worker in started
+                    if isinstance(worker, _Worker)
+                ]
+                try:
+                    yield
+                finally:
+                    for task in kept:
+                        task.cancel()
+        finally:
+            for worker in self._live:
+                ray.kill(worker.actor, no_restart=True)
+            self._live.clear()
+            if started_ray:
+                await asyncio.to_thread(ray.shutdown)
+
+    def _join_ray(self) -> bool:
+        """Connect to `rollout.ray_address`, the running Ray, or a new local one; True if new."""
+        if ray.is_initialized():
+            return False
+        address = self._settings.ray_address
+        if address is not None:
+            ray.init(address=address)
+        else:
+            needed = int(self._settings.workers * self._settings.worker_cpus + 0.999)
+            start_local_ray(max(needed, os.cpu_count() or 1))
+        return True
+
+    def _remote_class(self) -> Any:
+        # Ray serves the async actor's calls on its event loop: the workflows, plus a long poll
+        # and the deliveries of replies.
+        return ray.remote(RolloutWorker).options(
+            num_cpus=self._settings.worker_cpus, max_concurrency=self._concurrency + 64
+        )
+
+    async def _start(self, remote: Any, slot: int) -> _Worker:
+        tokenizer = _portable_tokenizer(self._backend)
+        actor = remote.remote(
+            self._workflow, tokenizer, self._sampling, self._workflow_timeout_s, self._concurrency
+        )
+        try:
+            async with asyncio.timeout(self._call_timeout_s):
+                await actor.ready.remote()
+        except BaseException:
+            ray.kill(actor, no_restart=True)
+            raise
+        worker = _Worker(slot, actor)
+        self._live.append(worker)
+        self._some_live.set()
+        return worker
+
+    async def _keep(self, remote: Any, worker: _Worker) -> None:
+        """Serve `worker` until it is lost, then replace it while restarts are left."""
+        while True:
+            await self._serve(worker)
+            self._lose(worker)
+            if self._restarts_left == 0:
+                break
+            self._restarts_left -= 1
+            try:
+                worker = await self._start(remote, worker.slot)
+            except (RayActorError, TimeoutError) as e:
+                log.warning("rollout worker %d could not be restarted: %r", worker.slot, e)
+                break
+        self._keepers_left -= 1
+        if self._keepers_left == 0:
+            self._some_live.set()  # wake waiting runs: there is nothing left to wait for
+
+    def _lose(self, worker: _Worker) -> None:
+        """Take `worker` out of service (idempotent); its pending runs see it and go elsewhere."""
+        if worker.lost.is_set():
+            return
+        worker.lost.set()
+        self._live.remove(worker)
+        if not self._live:
+            self._some_live.clear()
+        ray.kill(worker.actor, no_restart=True)
+        log.warning(
+            "rollout worker %d lost with %d episodes in flight; they run again",
+            worker.slot,
+            worker.in_flight,
+        )
+
+    # -- the policy, served to the workers ---------------------------------------------------------
+
+    async def _serve(self, worker: _Worker) -> None:
+        """Answer `worker`'s model requests until it dies or stops answering."""
+        try:
+            async with asyncio.TaskGroup() as serving:
+                delivering = serving.create_task(self._deliver(worker))
+                while not worker.lost.is_set():
+                    async with asyncio.timeout(_POLL_S + self._call_timeout_s):
+                        requests = await worker.actor.take_requests.remote(_POLL_S)
+                    engine = self._backend.rollout_engine()
+                    for request in requests:
+                        serving.create_task(self._answer(worker, engine, request))
+                delivering.cancel()
+        except* (RayActorError, TimeoutError):
+            pass  # lost: the caller replaces it
+
+    async def _answer(self, worker: _Worker, engine: RolloutEngine, request: Request) -> None:
+        call_id, method, payload, sampling = request
+        output: ModelOutput | BaseException
+        try:
+            call = engine.chat if method == "chat" else engine.complete
+            output = await call(payload, **sampling)
+        except Exception as e:  # the workflow's model call raised: it gets the error
+            output = _portable(e) or e
+        worker.replies.append((call_id, output))
+        worker.has_replies.set()
+
+    async def _deliver(self, worker: _Worker) -> None:
+        """Send the answers back, all those ready in one call (one call per answer costs more
+        than the answer). Runs until `_serve` stops, which cancels it."""
+        while True:
+            await worker.has_replies.wait()
+            replies, worker.replies = worker.replies, []
+            worker.has_replies.clear()
+            async with asyncio.timeout(self._call_timeout_s):
+                await worker.actor.deliver.remote(replies)
+
+    # -- episodes ---------------------------------------------------------------------------------
+
+    async def run(self, task: Task, index: int, *, version: int, seed: int) -> EpisodeResult:
+        """Run one episode on the least busy live worker; again elsewhere if that one dies."""
+        for _ in range(_ATTEMPTS):
+            worker = await self._live_worker()
+            worker.in_flight += 1
+            result = worker.actor.run.remote(task, index, version, seed)
+            try:
+                async with asyncio.timeout(self._workflow_timeout_s + self._call_timeout_s):
+                    episode_result: EpisodeResult = await result
+                    return episode_result
+            except (RayActorError, TimeoutError):
+                self._lose(worker)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    ray.cancel(result)
+                raise
+            finally:
+                worker.in_flight -= 1
+        message = f"its rollout worker died {_ATTEMPTS} times running this episode"
+        episode = Episode(
+            task_id=task.id,
+            rollout_index=index,
+            status="error",
+            error=message,
+            policy_version=version,
+        )
+        return episode, WorkerError(message), 0
+
+    async def _live_worker(self) -> _Worker:
+        while not self._live:
+            if self._keepers_left == 0:
+                raise WorkerError(
+                    f"every rollout worker died and rollout.max_worker_restarts="
+                    f"{self._settings.max_worker_restarts} are used up; see the Ray logs"
+                )
+            async with asyncio.timeout(self._call_timeout_s):
+                await self._some_live.wait()
+        return min(self._live, key=_in_flight)
+
+
+def start_local_ray(num_cpus: int) -> None:
+    """Start a private Ray on 127.0.0.1 with `num_cpus` CPUs (blocking: seconds to a minute).
+
+    Its workers run at the trainer's priority: Ray's default (`nice` +15) would hand their
+    workflows' CPU to any other process on a busy machine. Ray gives its raylet a fixed 30 s to
+    register at start-up, which a loaded machine can miss; a start that timed out that way is
+    tried once more.
+    """
+    settings: dict[str, Any] = {
+        "num_cpus": num_cpus,
+        "include_dashboard": False,
+        "_node_ip_address": "127.0.0.1",
+        "log_to_driver": False,
+        "_system_config": {"worker_niceness": 0},
+    }
+    try:
+        ray.init(**settings)
+    except Exception as e:
+        if "timed out during startup" not in str(e):
+            raise
+        log.warning("Ray did not start in time (%s); trying once more", e)
+        ray.shutdown()
+        ray.init(**settings)
+
+
+def _in_flight(worker: _Worker) -> int:
+    return worker.in_flight
+
+
+def _portable_tokenizer(backend: BackendProtocol) -> Tokenizer | None:
+    tokenizer = backend.rollout_engine().tokenizer
+    try:
+        pickle.dumps(tokenizer)
+    except Exception:
+        return None
+    return tokenizer

@@ -236,6 +236,25 @@ def test_tensorboard_sink_writes_scalars_readable_back(tmp_path: Path) -> None:
     assert losses == [(1, 1.5), (2, 1.0)], f"train/loss read back as {losses}"
 
 
+def test_tensorboard_sink_of_a_resumed_run_hides_the_steps_it_redoes(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_dir = tmp_path / "tensorboard"
+    killed = TensorBoardSink(log_dir)
+    for step in (1, 2, 3):  # a run killed after step 3, its checkpoint at step 2
+        killed.write(step, {"reward/mean": float(step)})
+    killed.close()
+    resumed = TensorBoardSink(log_dir, purge_step=3)
+    resumed.write(3, {"reward/mean": 30.0})
+    resumed.write(4, {"reward/mean": 40.0})
+    resumed.close()
+
+    accumulator = EventAccumulator(str(log_dir))
+    accumulator.Reload()
+    rewards = [(e.step, e.value) for e in accumulator.Scalars("reward/mean")]
+    assert rewards == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)], f"read back as {rewards}"
+
+
 def test_wandb_sink_without_api_key_creates_an_offline_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -70,6 +70,8 @@ class RunDirectory:
         self.ledger_path = path / "ledger.jsonl"
         self.ledger_lines = 0
         """Lines in the ledger: those kept on resume plus those appended since."""
+        self.resumed_step: int | None = None
+        """With resume: the checkpoint's step (-1 without one); later steps' metrics are redone."""
 
     def create(self, config_yaml: str, *, resume: bool) -> Path | None:
         """Make the directory and write `config.yaml`; refuse to overwrite an unrelated run.
@@ -88,8 +90,9 @@ class RunDirectory:
         checkpoint = self.latest_checkpoint() if resume else None
         if resume:
             state = self.load_state(checkpoint) if checkpoint else None
+            self.resumed_step = state.step if state else -1
             self._truncate_ledger(state)
-            self._truncate_metrics(state.step if state else 0)
+            self._truncate_metrics(self.resumed_step)
             for tmp in self.checkpoints.glob(".tmp-step_*"):
                 shutil.rmtree(tmp)
         return checkpoint

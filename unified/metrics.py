@@ -300,9 +300,13 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """TensorBoard event files under `log_dir`: one scalar per metric name, flushed every step."""
+    """TensorBoard event files under `log_dir`: one scalar per metric name, flushed every step.
 
-    def __init__(self, log_dir: Path) -> None:
+    `purge_step` (on resume: the first step redone) hides the events a killed run wrote from that
+    step on, so a resumed run's curves show each step once, like `metrics.jsonl`.
+    """
+
+    def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
@@ -311,7 +315,7 @@ class TensorBoardSink:
                 "pip install tensorboard or set logging.tensorboard=false"
             ) from e
         self.log_dir = log_dir
-        self._writer: SummaryWriter = SummaryWriter(log_dir=str(log_dir))
+        self._writer: SummaryWriter = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         for key, value in metrics.items():
@@ -364,15 +368,17 @@ def build_sinks(
     total_steps: int,
     run_name: str,
     config: Mapping[str, Any],
+    resumed_step: int | None = None,
 ) -> list[MetricsSink]:
     """The sinks `logging:` asks for; if one cannot be built, those already built are closed."""
     factories: list[Callable[[], MetricsSink]] = []
+    purge = None if resumed_step is None else max(0, resumed_step + 1)
     if logging.console:
         factories.append(lambda: ConsoleSink(total_steps))
     if logging.jsonl:
         factories.append(lambda: JsonlSink(run_path / "metrics.jsonl"))
     if logging.tensorboard:
-        factories.append(lambda: TensorBoardSink(run_path / "tensorboard"))
+        factories.append(lambda: TensorBoardSink(run_path / "tensorboard", purge))
     if logging.wandb:
         factories.append(lambda: WandbSink(logging.wandb_project, run_name, run_path, config))
     sinks: list[MetricsSink] = []
@@ -385,8 +391,10 @@ def build_sinks(
     return sinks
 
 
-def metrics_for(config: TrainerConfig) -> MetricsAggregator:
+def metrics_for(config: TrainerConfig, resumed_step: int | None = None) -> MetricsAggregator:
     """The aggregator with every sink `config.logging` asks for, in `config.run_path`.
+
+    `resumed_step`: the checkpoint step a resumed run continues from (sinks that can rewind do).
 
     Blocking (W&B starts its run here): call it through `asyncio.to_thread` on an event loop.
     """
@@ -396,5 +404,6 @@ def metrics_for(config: TrainerConfig) -> MetricsAggregator:
         total_steps=config.trainer.total_steps,
         run_name=config.name,
         config=config.public_dump(),
+        resumed_step=resumed_step,
     )
     return MetricsAggregator(sinks)

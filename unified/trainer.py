@@ -129,7 +129,7 @@ class UnifiedTrainer:
                 train_tasks=self.train_tasks,
                 eval_tasks=self.eval_tasks,
                 run=self.run,
-                metrics=await asyncio.to_thread(metrics_for, self.config),
+                metrics=await asyncio.to_thread(metrics_for, self.config, self.run.resumed_step),
             )
             self._loop = loop
             if self._stop_signal is not None:

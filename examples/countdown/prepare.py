@@ -19,16 +19,25 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from examples.countdown.warmstart import warmstart_examples
+from examples.countdown.warmstart import tool_warmstart_examples
 from unified.config import load_config
 from unified.sft import run_sft
 from unified.types import Task
 
-__all__ = ["WARMSTART_DIR", "WarmStartRecipe", "ensure_warmstart", "warmstart_model"]
+__all__ = [
+    "TOOL_WARMSTART_DIR",
+    "TOOL_WARMSTART_RECIPE",
+    "WARMSTART_DIR",
+    "WarmStartRecipe",
+    "ensure_warmstart",
+    "tool_warmstart_model",
+    "warmstart_model",
+]
 
 RECIPE_FILE = "warmstart_recipe.json"
 # Relative to the working directory: the project root, where the configs' import paths resolve.
 WARMSTART_DIR = Path(".cache/countdown-warmstart-tiny")
+TOOL_WARMSTART_DIR = Path(".cache/countdown-tool-warmstart-tiny")
 
 
 class WarmStartRecipe(BaseModel):
@@ -44,6 +53,12 @@ class WarmStartRecipe(BaseModel):
     numbers: int = 3
     max_number: int = 20
     in_order: float = 0.5
+    tool_share: float = 0.0
+    """Share of problems checked with the calculator first (`tool_warmstart_examples`)."""
+
+
+TOOL_WARMSTART_RECIPE = WarmStartRecipe(tool_share=0.5)
+"""The tool agent's: half the problems checked with `calc` before the answer."""
 
 
 def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = None) -> Path:
@@ -56,12 +71,13 @@ def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = Non
     print(
         f"building the countdown warm start in {directory} ({recipe.steps} SFT steps)", flush=True
     )
-    examples = warmstart_examples(
+    examples = tool_warmstart_examples(
         recipe.steps * recipe.batch_size,
         seed=recipe.seed,
         numbers=recipe.numbers,
         max_number=recipe.max_number,
         in_order=recipe.in_order,
+        tool_share=recipe.tool_share,
     )
     tasks = [Task(id=f"warmstart-{i}", data=example) for i, example in enumerate(examples)]
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -97,3 +113,8 @@ def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = Non
 def warmstart_model() -> Path:
     """Model provider: the default warm start in `.cache/`, built on first use (~1.5 min)."""
     return ensure_warmstart(WARMSTART_DIR)
+
+
+def tool_warmstart_model() -> Path:
+    """Model provider: the tool agent's warm start in `.cache/`, built on first use."""
+    return ensure_warmstart(TOOL_WARMSTART_DIR, TOOL_WARMSTART_RECIPE)

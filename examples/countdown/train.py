@@ -26,14 +26,14 @@ from unified.trainer import UnifiedTrainer
 __all__ = ["main", "summarize"]
 
 
-def summarize(run_dir: Path, *, last: int = 3) -> dict[str, float]:
-    """Eval accuracy before training and the mean of the last `last` evaluations."""
+def summarize(run_dir: Path, *, last: int = 3, metric: str = "eval/accuracy") -> dict[str, float]:
+    """An eval metric before training and the mean of its last `last` evaluations."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    evals = [(r["step"], r[metric]) for r in rows if metric in r]
     if not evals:
-        raise UsageError(f"{run_dir} has no evaluation; set trainer.eval_every and data.eval")
+        raise UsageError(f"{run_dir} has no {metric}; set trainer.eval_every and data.eval")
     before = evals[0][1] if evals[0][0] == 0 else float("nan")
-    trained = [acc for step, acc in evals if step > 0] or [evals[-1][1]]
+    trained = [value for step, value in evals if step > 0] or [evals[-1][1]]
     tail = trained[-last:]
     return {"before": before, "after": sum(tail) / len(tail), "evals_averaged": float(len(tail))}
 
@@ -67,6 +67,18 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
         f"  greedy eval accuracy after training (mean of the last "
         f"{int(summary['evals_averaged'])} evals): {summary['after']:.1%}"
     )
+    if "eval/tool_calls" in result.metrics:
+        calls = summarize(result.run_dir, metric="eval/tool_calls")
+        print(
+            f"  calc calls per eval episode, before: {calls['before']:.2f}, "
+            f"after: {calls['after']:.2f}"
+        )
+    if "eval/tool_calls_well_formed" in result.metrics:
+        formed = summarize(result.run_dir, metric="eval/tool_calls_well_formed")
+        print(
+            f"  well-formed calc calls, before: {formed['before']:.1%}, "
+            f"after: {formed['after']:.1%}"
+        )
     print(f"  baseline, a random valid expression:   {reference['random_valid_expression']:.1%}")
     print(f"  baseline, the best fixed pattern:      {reference['best_fixed_pattern']:.1%}")
     print(

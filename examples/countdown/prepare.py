@@ -57,8 +57,12 @@ class WarmStartRecipe(BaseModel):
     """Share of problems checked with the calculator first (`tool_warmstart_examples`)."""
 
 
-TOOL_WARMSTART_RECIPE = WarmStartRecipe(tool_share=0.5)
-"""The tool agent's: half the problems checked with `calc` before the answer."""
+TOOL_WARMSTART_RECIPE = WarmStartRecipe(
+    base_model="examples.countdown.prepare:warmstart_model", steps=100, lr=2e-3, tool_share=0.5
+)
+"""The tool agent's: the single-turn warm start (which copies the numbers reliably), then 100
+steps checking half the problems with `calc` first. From `builtin:tiny`, 200 steps learn the call
+format but not to copy the numbers (docs/benchmarks.md)."""
 
 
 def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = None) -> Path:

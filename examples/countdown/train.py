@@ -4,8 +4,9 @@
 
 Trains with `UnifiedTrainer`, which builds the warm start on first use (the configs' model
 provider, `examples.countdown.prepare:warmstart_model`), then prints the greedy eval accuracy
-before and after training (the mean of the last evaluations), the two baselines it must beat,
-and where the reward-curve PNG is.
+before and after training (the mean of the last evaluations), for the tool agent
+(`local_tool_*.yaml`) its calc calls per episode and their well-formed share too, the two
+baselines it must beat, and where the reward-curve PNG is.
 """
 
 from __future__ import annotations

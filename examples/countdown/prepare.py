@@ -5,7 +5,8 @@ expressions for train prompts (`warmstart.py`), then `unified.sft.run_sft` on th
 exported as a Hugging Face directory. The recipe is written next to the model; a directory whose
 recipe differs is rebuilt, and the same recipe always gives the same model (seeded).
 `warmstart_model` is the model provider the countdown configs name
-(`model: examples.countdown.prepare:warmstart_model`), so `unified train` builds it too.
+(`model: examples.countdown.prepare:warmstart_model`), so `unified train` builds it too;
+`tool_warmstart_model` is the tool agent's, built on top of it.
 """
 
 from __future__ import annotations

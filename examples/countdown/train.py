@@ -57,6 +57,7 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
     result = trainer.fit()
     minutes = (time.monotonic() - started) / 60
     summary = summarize(result.run_dir)
+    first = json.loads((result.run_dir / "metrics.jsonl").read_text().splitlines()[0])
     reference = baselines(trainer.eval_tasks)
     curves = plot_run(result.run_dir)
     n = len(trainer.eval_tasks)
@@ -74,12 +75,8 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
             f"  calc calls per eval episode, before: {calls['before']:.2f}, "
             f"after: {calls['after']:.2f}"
         )
-    if "eval/tool_calls_well_formed" in result.metrics:
-        formed = summarize(result.run_dir, metric="eval/tool_calls_well_formed")
-        print(
-            f"  well-formed calc calls, before: {formed['before']:.1%}, "
-            f"after: {formed['after']:.1%}"
-        )
+        formed = [_percent(m.get("eval/tool_calls_well_formed")) for m in (first, result.metrics)]
+        print(f"  well-formed calc calls, before: {formed[0]}, at the last eval: {formed[1]}")
     print(f"  baseline, a random valid expression:   {reference['random_valid_expression']:.1%}")
     print(f"  baseline, the best fixed pattern:      {reference['best_fixed_pattern']:.1%}")
     print(
@@ -88,6 +85,10 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
     )
     print(f"  reward curves: {curves}")
     return 0
+
+
+def _percent(share: float | None) -> str:
+    return "no calls" if share is None else f"{share:.1%}"
 
 
 if __name__ == "__main__":

@@ -9,8 +9,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
+from backends.local.backend import LocalBackend, _Sample
 from backends.local.builtin import build_tokenizer, chat_prompt_ids
 from tests.bandit import BanditBackend, BanditEngine
+from unified.config import load_config
 from unified.protocol import RolloutEngine
 from unified.types import ModelOutput, Task, TrajectoryGroup
 from workflows.multi_turn import Observation
@@ -56,6 +60,36 @@ class ScriptedEngine(RolloutEngine):
             finish_reason="stop",
             policy_version=0,
         )
+
+
+async def local_loss_samples(
+    group: TrajectoryGroup,
+) -> tuple[list[_Sample], torch.Tensor, torch.nn.Module]:
+    """What the local backend's loss scores for `group`: its samples, their logprobs, the model.
+
+    One `forward_backward` on a fresh `builtin:tiny` backend, with its scoring function spied on.
+    """
+    backend = LocalBackend()
+    config = load_config(
+        {"workflow": "tests.agents:LookupBanditWorkflow", "model": "builtin:tiny",
+         "trainer": {"loss": "importance_sampling"}}
+    )  # fmt: skip
+    await backend.setup(config)
+    scored: list[tuple[list[_Sample], torch.Tensor]] = []
+    score = backend._score
+
+    def spy(model: torch.nn.Module, chunk: list[_Sample], **kw: Any) -> Any:
+        result = score(model, chunk, **kw)
+        scored.append((chunk, result[0].detach()))
+        return result
+
+    backend._score = spy  # type: ignore[method-assign]
+    try:
+        await backend.forward_backward([group])
+    finally:
+        await backend.shutdown()
+    ((chunk, logp_T),) = scored
+    return chunk, logp_T, backend.model
 
 
 class GuessingGame:

@@ -10,10 +10,8 @@ from typing import Any
 
 import torch
 
-from backends.local.backend import LocalBackend, _Sample
 from backends.tinker.datums import group_sequences, to_datum
-from tests.agents import ScriptedEngine
-from unified.config import load_config
+from tests.agents import ScriptedEngine, local_loss_samples
 from unified.types import Episode, Task, Trajectory, TrajectoryGroup
 from workflows.tools import ToolWorkflow
 
@@ -86,26 +84,7 @@ async def test_tinker_datums_weigh_only_the_model_tokens_of_a_merged_tool_episod
 
 async def test_the_local_loss_scores_exactly_each_steps_completion_tokens_in_context() -> None:
     trajectory, _ = await tool_episode()
-    backend = LocalBackend()
-    config = load_config(
-        {"workflow": "tests.agents:LookupBanditWorkflow", "model": "builtin:tiny",
-         "trainer": {"loss": "importance_sampling"}}
-    )  # fmt: skip
-    await backend.setup(config)
-    scored: list[tuple[list[_Sample], torch.Tensor]] = []
-    score = backend._score
-
-    def spy(model: torch.nn.Module, chunk: list[_Sample], **kw: Any) -> Any:
-        result = score(model, chunk, **kw)
-        scored.append((chunk, result[0].detach()))
-        return result
-
-    backend._score = spy  # type: ignore[method-assign]
-    try:
-        await backend.forward_backward([group_of(trajectory)])
-    finally:
-        await backend.shutdown()
-    ((chunk, logp_T),) = scored
+    chunk, logp_T, model = await local_loss_samples(group_of(trajectory))
     steps = [step.output for step in trajectory.steps]
     assert [s.completion for s in chunk] == [o.completion_ids for o in steps], "targets"
     assert logp_T.numel() == sum(len(o.completion_ids) for o in steps), "no tool token in the loss"
@@ -113,7 +92,7 @@ async def test_the_local_loss_scores_exactly_each_steps_completion_tokens_in_con
     # whole episode (prompt, first reply, tool result, second reply).
     full = steps[1].prompt_ids + steps[1].completion_ids
     with torch.no_grad():
-        logits = backend.model(input_ids=torch.tensor([full])).logits[0]
+        logits = model(input_ids=torch.tensor([full])).logits[0]
     start = len(steps[1].prompt_ids)
     expected = torch.log_softmax(logits[start - 1 : len(full) - 1].float(), -1)
     expected = expected.gather(1, torch.tensor(full[start:])[:, None])[:, 0]

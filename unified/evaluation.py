@@ -28,7 +28,7 @@ from unified.rollout import (
 )
 from unified.types import Episode, SamplingParams, Task
 
-__all__ = ["evaluate", "is_correct", "run_eval"]
+__all__ = ["evaluate", "is_correct", "run_eval", "tool_call_metrics"]
 
 
 def is_correct(episode: Episode) -> bool:
@@ -52,7 +52,7 @@ async def evaluate(
     timeout_s: float,
     slots: WorkflowSlots,
 ) -> dict[str, float]:
-    """`eval/accuracy`, `eval/reward`, `eval/errors` and `time/eval`, one episode per task.
+    """`eval/accuracy`, `eval/reward`, `eval/errors`, `time/eval` (and the tool-call metrics).
 
     Each run holds one of `slots`: the trainer passes its own, so evaluation shares
     `max_concurrency` and `dispatch_rate` with training.
@@ -78,8 +78,27 @@ async def evaluate(
         "eval/accuracy": sum(map(is_correct, episodes)) / max(1, len(episodes)),
         "eval/reward": sum(rewards) / len(rewards) if rewards else 0.0,
         "eval/errors": float(sum(e.status != "ok" for e in episodes)),
+        **tool_call_metrics(episodes),
         "time/eval": time.monotonic() - started,
     }
+
+
+def tool_call_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """`eval/tool_calls` per episode and the share of them `eval/tool_calls_well_formed`.
+
+    Counted from the steps' `info["tool_calls"]` and `info["tool_errors"]` (what `ToolWorkflow`
+    records); a well-formed call parsed, named a tool, had valid arguments and ran without error.
+    Empty for a workflow that records no tool calls; the share is left out when nothing was called.
+    """
+    infos = [s.info for e in episodes for t in e.trajectories for s in t.steps]
+    if not any("tool_calls" in info for info in infos):
+        return {}
+    calls = sum(int(info.get("tool_calls", 0)) for info in infos)
+    errors = sum(int(info.get("tool_errors", 0)) for info in infos)
+    metrics = {"eval/tool_calls": calls / max(1, len(episodes))}
+    if calls:
+        metrics["eval/tool_calls_well_formed"] = 1.0 - errors / calls
+    return metrics
 
 
 async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> dict[str, float]:

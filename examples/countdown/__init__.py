@@ -2,7 +2,8 @@
 
 The example's pieces, one module each: `tasks` (reachable problems, disjoint train/eval splits,
 the `"3 7 12 -> 33"` prompt), `reward` (safe exact scoring of an answer like `3*7+12`),
-`workflow` (`CountdownWorkflow`), `expressions` (random valid expressions), `warmstart`
+`workflow` (`CountdownWorkflow`), `tool_agent` (`CountdownToolAgent`, which may check a candidate
+with a calculator tool before answering), `expressions` (random valid expressions), `warmstart`
 (supervised format-only data for a tiny model) and `baselines` (target-blind hit rates;
 `python -m examples.countdown.baselines`, not imported here).
 """
@@ -10,11 +11,13 @@ the `"3 7 12 -> 33"` prompt), `reward` (safe exact scoring of an answer like `3*
 from examples.countdown.expressions import random_expression
 from examples.countdown.reward import MAX_ANSWER_CHARS, countdown_reward, parse_expression
 from examples.countdown.tasks import make_tasks, prompt, split_of
-from examples.countdown.warmstart import warmstart_examples, write_jsonl
+from examples.countdown.tool_agent import CountdownToolAgent
+from examples.countdown.warmstart import tool_warmstart_examples, warmstart_examples, write_jsonl
 from examples.countdown.workflow import CountdownWorkflow
 
 __all__ = [
     "MAX_ANSWER_CHARS",
+    "CountdownToolAgent",
     "CountdownWorkflow",
     "countdown_reward",
     "make_tasks",
@@ -22,6 +25,7 @@ __all__ = [
     "prompt",
     "random_expression",
     "split_of",
+    "tool_warmstart_examples",
     "warmstart_examples",
     "write_jsonl",
 ]

@@ -5,7 +5,8 @@ expressions for train prompts (`warmstart.py`), then `unified.sft.run_sft` on th
 exported as a Hugging Face directory. The recipe is written next to the model; a directory whose
 recipe differs is rebuilt, and the same recipe always gives the same model (seeded).
 `warmstart_model` is the model provider the countdown configs name
-(`model: examples.countdown.prepare:warmstart_model`), so `unified train` builds it too.
+(`model: examples.countdown.prepare:warmstart_model`), so `unified train` builds it too;
+`tool_warmstart_model` is the tool agent's, built on top of it.
 """
 
 from __future__ import annotations
@@ -19,16 +20,25 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from examples.countdown.warmstart import warmstart_examples
+from examples.countdown.warmstart import tool_warmstart_examples
 from unified.config import load_config
 from unified.sft import run_sft
 from unified.types import Task
 
-__all__ = ["WARMSTART_DIR", "WarmStartRecipe", "ensure_warmstart", "warmstart_model"]
+__all__ = [
+    "TOOL_WARMSTART_DIR",
+    "TOOL_WARMSTART_RECIPE",
+    "WARMSTART_DIR",
+    "WarmStartRecipe",
+    "ensure_warmstart",
+    "tool_warmstart_model",
+    "warmstart_model",
+]
 
 RECIPE_FILE = "warmstart_recipe.json"
 # Relative to the working directory: the project root, where the configs' import paths resolve.
 WARMSTART_DIR = Path(".cache/countdown-warmstart-tiny")
+TOOL_WARMSTART_DIR = Path(".cache/countdown-tool-warmstart-tiny")
 
 
 class WarmStartRecipe(BaseModel):
@@ -44,6 +54,16 @@ class WarmStartRecipe(BaseModel):
     numbers: int = 3
     max_number: int = 20
     in_order: float = 0.5
+    tool_share: float = 0.0
+    """Share of problems checked with the calculator first (`tool_warmstart_examples`)."""
+
+
+TOOL_WARMSTART_RECIPE = WarmStartRecipe(
+    base_model="examples.countdown.prepare:warmstart_model", steps=100, lr=2e-3, tool_share=0.5
+)
+"""The tool agent's: the single-turn warm start (which copies the numbers reliably), then 100
+steps checking half the problems with `calc` first. From `builtin:tiny`, 200 steps learn the call
+format but not to copy the numbers (docs/benchmarks.md)."""
 
 
 def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = None) -> Path:
@@ -56,12 +76,13 @@ def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = Non
     print(
         f"building the countdown warm start in {directory} ({recipe.steps} SFT steps)", flush=True
     )
-    examples = warmstart_examples(
+    examples = tool_warmstart_examples(
         recipe.steps * recipe.batch_size,
         seed=recipe.seed,
         numbers=recipe.numbers,
         max_number=recipe.max_number,
         in_order=recipe.in_order,
+        tool_share=recipe.tool_share,
     )
     tasks = [Task(id=f"warmstart-{i}", data=example) for i, example in enumerate(examples)]
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -97,3 +118,8 @@ def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = Non
 def warmstart_model() -> Path:
     """Model provider: the default warm start in `.cache/`, built on first use (~1.5 min)."""
     return ensure_warmstart(WARMSTART_DIR)
+
+
+def tool_warmstart_model() -> Path:
+    """Model provider: the tool agent's warm start in `.cache/`, built on first use."""
+    return ensure_warmstart(TOOL_WARMSTART_DIR, TOOL_WARMSTART_RECIPE)

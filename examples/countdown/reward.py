@@ -26,6 +26,7 @@ __all__ = [
     "MAX_ANSWER_CHARS",
     "answer_of",
     "countdown_reward",
+    "expression_value",
     "parse_expression",
 ]
 
@@ -53,24 +54,40 @@ def answer_of(text: str) -> str:
     return text.strip().split("\n", 1)[0].strip()
 
 
+def expression_value(text: str) -> tuple[Fraction, list[int]]:
+    """The exact value of an arithmetic answer and its integer literals, in order.
+
+    Raises ValueError naming what is wrong when `answer_of(text)` is not pure `+ - * /` over
+    non-negative integer literals (or is longer than `MAX_ANSWER_CHARS`), and ZeroDivisionError
+    when it divides by zero. The numbers are not checked against a task: that is
+    `parse_expression`'s job.
+    """
+    answer = answer_of(text)
+    if len(answer) > MAX_ANSWER_CHARS or not _ANSWER_CHARS.fullmatch(answer):
+        raise ValueError(
+            f"not an arithmetic expression of at most {MAX_ANSWER_CHARS} characters of digits, "
+            f"+ - * / ( ) and spaces: {answer[:MAX_ANSWER_CHARS]!r}"
+        )
+    try:
+        tree = ast.parse(answer, mode="eval")
+        leaves: list[int] = []
+        _collect_leaves(tree.body, leaves)
+    except (SyntaxError, RecursionError, MemoryError, _Rejected) as e:
+        raise ValueError(f"not an arithmetic expression: {answer!r}") from e
+    return _evaluate(tree.body), leaves
+
+
 def parse_expression(text: str, numbers: Sequence[int]) -> Fraction | None:
     """The exact value of `text` if it is a well-formed expression over exactly `numbers`.
 
     None when the text is malformed, is not pure `+ - * /` arithmetic on integer literals, uses
     the numbers other than once each, or divides by zero. Never raises.
     """
-    answer = answer_of(text)
-    if len(answer) > MAX_ANSWER_CHARS or not _ANSWER_CHARS.fullmatch(answer):
-        return None
     try:
-        tree = ast.parse(answer, mode="eval")
-        leaves: list[int] = []
-        _collect_leaves(tree.body, leaves)
-        if Counter(leaves) != Counter(numbers):
-            return None
-        return _evaluate(tree.body)
-    except (SyntaxError, ValueError, RecursionError, MemoryError, ZeroDivisionError, _Rejected):
+        value, leaves = expression_value(text)
+    except (ValueError, ZeroDivisionError):
         return None
+    return value if Counter(leaves) == Counter(numbers) else None
 
 
 def countdown_reward(

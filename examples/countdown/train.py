@@ -4,8 +4,9 @@
 
 Trains with `UnifiedTrainer`, which builds the warm start on first use (the configs' model
 provider, `examples.countdown.prepare:warmstart_model`), then prints the greedy eval accuracy
-before and after training (the mean of the last evaluations), the two baselines it must beat,
-and where the reward-curve PNG is.
+before and after training (the mean of the last evaluations), for the tool agent
+(`local_tool_*.yaml`) its calc calls per episode and their well-formed share too, the two
+baselines it must beat, and where the reward-curve PNG is.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ from unified.trainer import UnifiedTrainer
 __all__ = ["main", "summarize"]
 
 
-def summarize(run_dir: Path, *, last: int = 3) -> dict[str, float]:
-    """Eval accuracy before training and the mean of the last `last` evaluations."""
+def summarize(run_dir: Path, *, last: int = 3, metric: str = "eval/accuracy") -> dict[str, float]:
+    """An eval metric before training and the mean of its last `last` evaluations."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    evals = [(r["step"], r[metric]) for r in rows if metric in r]
     if not evals:
-        raise UsageError(f"{run_dir} has no evaluation; set trainer.eval_every and data.eval")
+        raise UsageError(f"{run_dir} has no {metric}; set trainer.eval_every and data.eval")
     before = evals[0][1] if evals[0][0] == 0 else float("nan")
-    trained = [acc for step, acc in evals if step > 0] or [evals[-1][1]]
+    trained = [value for step, value in evals if step > 0] or [evals[-1][1]]
     tail = trained[-last:]
     return {"before": before, "after": sum(tail) / len(tail), "evals_averaged": float(len(tail))}
 
@@ -56,6 +57,7 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
     result = trainer.fit()
     minutes = (time.monotonic() - started) / 60
     summary = summarize(result.run_dir)
+    first = json.loads((result.run_dir / "metrics.jsonl").read_text().splitlines()[0])
     reference = baselines(trainer.eval_tasks)
     curves = plot_run(result.run_dir)
     n = len(trainer.eval_tasks)
@@ -67,6 +69,14 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
         f"  greedy eval accuracy after training (mean of the last "
         f"{int(summary['evals_averaged'])} evals): {summary['after']:.1%}"
     )
+    if "eval/tool_calls" in result.metrics:
+        calls = summarize(result.run_dir, metric="eval/tool_calls")
+        print(
+            f"  calc calls per eval episode, before: {calls['before']:.2f}, "
+            f"after: {calls['after']:.2f}"
+        )
+        formed = [_percent(m.get("eval/tool_calls_well_formed")) for m in (first, result.metrics)]
+        print(f"  well-formed calc calls, before: {formed[0]}, at the last eval: {formed[1]}")
     print(f"  baseline, a random valid expression:   {reference['random_valid_expression']:.1%}")
     print(f"  baseline, the best fixed pattern:      {reference['best_fixed_pattern']:.1%}")
     print(
@@ -75,6 +85,10 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
     )
     print(f"  reward curves: {curves}")
     return 0
+
+
+def _percent(share: float | None) -> str:
+    return "no calls" if share is None else f"{share:.1%}"
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """Supervised warm-start data: countdown prompts answered by random *valid* expressions.
 
+The tool agent's warm start (`tool_warmstart_examples`) mixes in episodes that check a random
+expression with the calculator before answering, covering the tool-call format.
+
 A tiny built-in model cannot learn the answer format from reward alone, so `unified sft` first
 teaches it: each example pairs a fresh train-split prompt with a random expression using every
 number exactly once. The expressions are not solutions (they hit the target only by chance), so
@@ -18,8 +21,9 @@ from typing import Any
 
 from examples.countdown.expressions import random_expression
 from examples.countdown.tasks import draw_problem, prompt, split_of
+from examples.countdown.tool_agent import calc_result, tool_call
 
-__all__ = ["random_expression", "warmstart_examples", "write_jsonl"]
+__all__ = ["random_expression", "tool_warmstart_examples", "warmstart_examples", "write_jsonl"]
 
 
 def warmstart_examples(
@@ -36,8 +40,39 @@ def warmstart_examples(
     Problems are drawn like `make_tasks`' (same difficulty keywords) and kept only if they belong
     to the train split, so no eval prompt is ever seen in the warm start; repeats are allowed.
     """
+    return tool_warmstart_examples(
+        n,
+        seed=seed,
+        numbers=numbers,
+        max_number=max_number,
+        max_target=max_target,
+        in_order=in_order,
+        tool_share=0.0,
+    )
+
+
+def tool_warmstart_examples(
+    n: int,
+    *,
+    seed: int = 0,
+    numbers: int = 3,
+    max_number: int = 20,
+    max_target: int = 100,
+    in_order: float = 0.0,
+    tool_share: float = 0.5,
+) -> list[dict[str, Any]]:
+    """`n` chat examples for `CountdownToolAgent`: direct answers and checked ones, mixed.
+
+    A `tool_share` of the problems are checked: one example calls `calc` on a random valid
+    expression, the next sees the call and its result and answers that expression if it hit the
+    target, another random one if not. The rest are answered directly, as in
+    `warmstart_examples` (which is this with `tool_share=0`). Expressions are never chosen by the
+    target, so the warm start covers the format and leaves the policy to RL.
+    """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    if not 0.0 <= tool_share <= 1.0:
+        raise ValueError(f"tool_share must be in [0, 1], got {tool_share}")
     rng = random.Random(f"countdown-warmstart/{seed}")
     examples: list[dict[str, Any]] = []
     while len(examples) < n:
@@ -46,21 +81,30 @@ def warmstart_examples(
         )
         if split_of(values, target) != "train":
             continue
-        data = {"numbers": values, "target": target}
-        # Keeping the prompt's order part of the time makes copying the numbers easier to learn.
-        shuffle = rng.random() >= in_order
-        examples.append(
-            {
-                "messages": [
-                    {"role": "user", "content": prompt(data)},
-                    {
-                        "role": "assistant",
-                        "content": random_expression(values, rng, shuffle=shuffle),
-                    },
-                ]
-            }
-        )
-    return examples
+        user = {"role": "user", "content": prompt({"numbers": values, "target": target})}
+
+        # Drawn only when checking, so tool_share=0 keeps the old examples for the same seed.
+        if tool_share == 0.0 or rng.random() >= tool_share:
+            examples.append(_chat(user, _expression(values, rng, in_order)))
+            continue
+        candidate = _expression(values, rng, in_order)
+        value = calc_result(candidate)
+        answer = candidate if value == str(target) else _expression(values, rng, in_order)
+        call = {"role": "assistant", "content": tool_call(candidate)}
+        result = {"role": "tool", "name": "calc", "content": value}
+        examples += [_chat(user, call["content"]), _chat(user, call, result, answer)]
+    return examples[:n]
+
+
+def _expression(values: list[int], rng: random.Random, in_order: float) -> str:
+    # Keeping the prompt's order part of the time makes copying the numbers easier to learn.
+    return random_expression(values, rng, shuffle=rng.random() >= in_order)
+
+
+def _chat(*messages: dict[str, Any] | str) -> dict[str, Any]:
+    """An SFT example: the messages, the last one (a str) the assistant reply to learn."""
+    *context, reply = messages
+    return {"messages": [*context, {"role": "assistant", "content": reply}]}
 
 
 def write_jsonl(path: str | Path, examples: Iterable[dict[str, Any]]) -> None:

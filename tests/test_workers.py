@@ -169,3 +169,39 @@ def test_killing_a_worker_mid_run_loses_no_episode(
         indices = sorted(e.rollout_index for e in group.episodes)
         assert indices == list(range(GROUP)), f"group {group.task_id} has rollouts {indices}"
         assert all(e.status == "ok" for e in group.episodes)
+
+
+@pytest.mark.usefixtures("private_ray")
+def test_a_trainer_process_joins_an_existing_cluster_through_ray_address(
+    make_config: ConfigFactory, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    # The module's Ray stands in for a cluster started elsewhere (`ray start --head`): another
+    # process joins it by address, runs its workers there and leaves it running.
+    address = ray.get_runtime_context().gcs_address
+    config = countdown_on_two_workers(make_config)
+    config["rollout"] = {**config["rollout"], "ray_address": address}
+    config_path = tmp_path / "joined.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-m", "unified.cli", "train", str(config_path)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    ledger_path = Path(config["logging"]["run_dir"]) / config["name"] / "ledger.jsonl"
+    ledger = [json.loads(line) for line in ledger_path.open()]
+    assert [entry["outcome"] for entry in ledger] == ["trained"] * (STEPS * BATCH)
+    assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 2.0, (
+        "the cluster outlives the trainer that joined it"
+    )

@@ -274,17 +274,18 @@ class RolloutExecutor(Protocol):
 
 
 class InProcessRollouts:
-    """Workflows as tasks on the trainer's own event loop (`rollout.workers: 0`, the default)."""
+    """Workflows as tasks on the running event loop: the trainer's (`rollout.workers: 0`, the
+    default) or a Ray worker's. `engine` gives the policy's engine for each run."""
 
     def __init__(
         self,
         workflow: WorkflowFn,
-        backend: BackendProtocol,
+        engine: Callable[[], RolloutEngine],
         sampling: dict[str, Any],
         deadlines: WorkflowDeadlines,
     ) -> None:
         self._workflow = workflow
-        self._backend = backend
+        self._engine = engine
         self._sampling = sampling
         self._deadlines = deadlines
 
@@ -292,7 +293,7 @@ class InProcessRollouts:
         return contextlib.nullcontext()
 
     async def run(self, task: Task, index: int, *, version: int, seed: int) -> EpisodeResult:
-        engine = SamplingEngine(self._backend.rollout_engine(), self._sampling, seed)
+        engine = SamplingEngine(self._engine(), self._sampling, seed)
         episode, error = await run_episode(
             self._workflow,
             task,
@@ -311,7 +312,7 @@ def rollout_executor(
     sampling = config.sampling.train.model_dump()
     if config.rollout.workers == 0:
         deadlines = WorkflowDeadlines(config.trainer.workflow_timeout)
-        return InProcessRollouts(workflow, backend, sampling, deadlines)
+        return InProcessRollouts(workflow, backend.rollout_engine, sampling, deadlines)
     try:
         from unified.workers import WorkerPool  # imports Ray, only when asked for
     except ImportError as e:

@@ -32,11 +32,10 @@ from unified.errors import WorkerError, WorkflowError
 from unified.protocol import BackendProtocol, RolloutEngine, Tokenizer
 from unified.rollout import (
     EpisodeResult,
-    SamplingEngine,
+    InProcessRollouts,
     WorkflowDeadlines,
     WorkflowFn,
     WorkflowSlots,
-    run_episode,
 )
 from unified.types import Episode, ModelOutput, Task
 
@@ -125,10 +124,9 @@ class RolloutWorker:
         timeout_s: float,
         concurrency: int,
     ) -> None:
-        self._workflow = workflow
         self._engine = _TrainerEngine(tokenizer)
-        self._sampling = sampling
-        self._deadlines = WorkflowDeadlines(timeout_s)
+        deadlines = WorkflowDeadlines(timeout_s)
+        self._rollouts = InProcessRollouts(workflow, lambda: self._engine, sampling, deadlines)
         self._slots = WorkflowSlots(concurrency)
 
     async def ready(self) -> int:
@@ -138,16 +136,10 @@ class RolloutWorker:
     async def run(self, task: Task, index: int, version: int, seed: int) -> EpisodeResult:
         """One episode, exactly as the trainer process would run it."""
         async with self._slots:
-            engine = SamplingEngine(self._engine, self._sampling, seed)
-            episode, error = await run_episode(
-                self._workflow,
-                task,
-                engine,
-                rollout_index=index,
-                version=version,
-                deadlines=self._deadlines,
+            episode, error, tokens = await self._rollouts.run(
+                task, index, version=version, seed=seed
             )
-        return episode, _portable(error), engine.completion_tokens
+        return episode, _portable(error), tokens
 
     async def take_requests(self, wait_s: float) -> list[Request]:
         """The model calls queued since the last take (long poll, up to `wait_s`)."""

@@ -173,7 +173,7 @@ def config(args: argparse.Namespace, run_dir: str, **changes: Any) -> dict[str, 
         "logging": {"run_dir": run_dir, "console": False},
     }
     for key, value in changes.items():
-        base[key] = {**base[key], **value} if isinstance(value, dict) else value
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
     return base
 
 

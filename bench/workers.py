@@ -24,7 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.overhead import TOKENS, ZeroBackend, tasks
+from bench.overhead import ZeroBackend, tasks
+from bench.overhead import config as overhead_config
 from unified import RolloutEngine, Step, Task, Trajectory, UnifiedTrainer
 
 
@@ -74,24 +75,15 @@ def episodes_per_s(
     """Steady-state episodes per second of one run (first optimizer step to last), and the
     trainer process's CPU milliseconds per episode over the same span."""
     with tempfile.TemporaryDirectory() as tmp:
-        config = {
-            "name": f"workers{workers}",
-            "mode": "async",
-            "workflow": "bench.workers:ToolAgent",
-            "trainer": {
-                "total_steps": args.steps,
-                "batch_size": args.groups,
-                "group_size": args.group_size,
-                "eval_every": 0,
-                "eval_before_train": False,
-                "save_every": 0,
-                "max_filtered_in_a_row": 1_000_000,
-            },
-            "async": {"max_staleness": 1, "max_concurrency": 64},
-            "sampling": {"train": {"max_tokens": TOKENS}},
-            "rollout": {"workers": workers},
-            "logging": {"run_dir": tmp, "console": False},
-        }
+        changes: dict[str, Any] = {"async": {"max_concurrency": 64}}
+        config = overhead_config(
+            args,
+            tmp,
+            name=f"workers{workers}",
+            workflow="bench.workers:ToolAgent",
+            rollout={"workers": workers},
+            **changes,
+        )
         backend = ZeroBackend()
         UnifiedTrainer(config, workflow=workflow, backend=backend, train_tasks=tasks(4096)).fit()
     (wall0, cpu0), (wall1, cpu1) = backend.step_times[0], backend.step_times[-1]

@@ -54,14 +54,19 @@ _BANDIT_DATA = {"generator": "tests.bandit:bandit_tasks", "n": 24}
 
 
 @pytest.mark.parametrize(
-    ("signal_number", "exit_code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)]
+    ("signal_number", "exit_code", "episode"),
+    [
+        # The first episode of step 3 starts as step 2 ends; the signal may come between steps.
+        (signal.SIGINT, 130, 2 * EPISODES_PER_STEP),
+        (signal.SIGTERM, 143, 3 * EPISODES_PER_STEP - 1),  # its last one
+    ],
 )
 def test_a_signal_lets_the_step_in_progress_train_then_checkpoints_and_raises(
-    make_config: ConfigFactory, signal_number: int, exit_code: int
+    make_config: ConfigFactory, signal_number: int, exit_code: int, episode: int
 ) -> None:
     full = fit(run_config(make_config, "full"))
     config = run_config(make_config, "stopped")
-    during_step_3 = InterruptingWorkflow(at=2 * EPISODES_PER_STEP, signal_number=signal_number)
+    during_step_3 = InterruptingWorkflow(at=episode, signal_number=signal_number)
     with pytest.raises(TrainingInterrupted, match="after step 3") as info:
         fit(config, during_step_3)
     assert info.value.exit_code == exit_code

@@ -121,6 +121,8 @@ class TrainingLoop:
         """The signal number `request_stop` was called with, once it was."""
         self._saved_step = 0  # the step of the newest checkpoint; step 0 needs none
         self._stop_deadline: float | None = None  # event-loop time the grace ends
+        # After a stop: the step in progress (or, between steps, the next one) is the last.
+        self._last_step: float = math.inf
         self._ready_wait: asyncio.Timeout | None = None
 
     # -- start and run ----------------------------------------------------------------------------
@@ -164,7 +166,7 @@ class TrainingLoop:
             async with self.rollouts.serving(), asyncio.TaskGroup() as tg:
                 dispatcher = tg.create_task(self._dispatch())
                 try:
-                    while not self.finished and self.stop_signal is None:
+                    while not self.finished and self.step < self._last_step:
                         await self._train_step()
                 except _StepAbandoned:
                     pass
@@ -174,7 +176,8 @@ class TrainingLoop:
             await self._save()
 
     def request_stop(self, signal_number: int) -> None:
-        """Dispatch nothing more; the step in progress gets `stop_grace_s` to get its groups.
+        """Dispatch nothing more; the step in progress (between steps: the next one) gets
+        `stop_grace_s` to get its groups from those dispatched, and is the last step trained.
 
         Call it on the event loop running `run` (a signal handler added with
         `loop.add_signal_handler` runs there); a second call changes nothing.
@@ -182,6 +185,8 @@ class TrainingLoop:
         if self.stop_signal is not None:
             return
         self.stop_signal = signal_number
+        # Its groups may all be dispatched (even ready) already, if the stop came between steps.
+        self._last_step = self.step + 1
         self._stop_deadline = asyncio.get_running_loop().time() + self.config.trainer.stop_grace_s
         self.groups.set_wanted(0)
         if self._ready_wait is not None:

@@ -386,6 +386,31 @@ def test_metrics_jsonl_uses_the_contract_names(make_config: ConfigFactory) -> No
     assert all("eval/accuracy" in m for m in lines if m["step"] % 2 == 0)
 
 
+def test_a_failing_metrics_write_ends_the_run_and_checkpoints_hold_written_lines(
+    make_config: ConfigFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Metrics are written off the training path: a write that fails still ends the run, and
+    # the lines of the steps a checkpoint holds are on disk before the checkpoint is.
+    from unified.metrics import JsonlSink
+
+    write = JsonlSink.write
+
+    def write_until_step_4(sink: JsonlSink, step: int, metrics: Any) -> None:
+        if step == 4:
+            raise OSError("disk full")
+        write(sink, step, metrics)
+
+    monkeypatch.setattr(JsonlSink, "write", write_until_step_4)
+    config = make_config(mode="async", trainer={"total_steps": 6, "save_every": 2})
+    with pytest.raises(OSError, match="disk full"):
+        fit(config, BanditBackend())
+    run = RunDirectory(Path(config["logging"]["run_dir"]) / config["name"])
+    saved = RunDirectory.load_state(run.latest_checkpoint())
+    assert saved.step == 2, "no checkpoint after the step whose metrics were not written"
+    steps = [m["step"] for m in metrics_lines(run.path)]
+    assert steps[:3] == [1, 2, 3] and 4 not in steps, steps
+
+
 def test_checkpoint_resume_continues_without_training_a_task_twice(
     make_config: ConfigFactory,
 ) -> None:

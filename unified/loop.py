@@ -21,7 +21,9 @@ import functools
 import gc
 import math
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -124,6 +126,10 @@ class TrainingLoop:
         # After a stop: the step in progress (or, between steps, the next one) is the last.
         self._last_step: float = math.inf
         self._ready_wait: asyncio.Timeout | None = None
+        # Metrics reach their sinks on a thread of their own, in step order, off the training
+        # path; `_drain_logs` waits for them before a checkpoint and in `close`.
+        self._log_thread = ThreadPoolExecutor(1, thread_name_prefix="unified-metrics")
+        self._log_writes: deque[asyncio.Future[None]] = deque()
 
     # -- start and run ----------------------------------------------------------------------------
 
@@ -424,10 +430,32 @@ class TrainingLoop:
         )
 
     async def _log(self, metrics: dict[str, float]) -> None:
+        """Hand `metrics` to the sinks' thread; a write that failed raises here (or later)."""
         self.last_metrics = metrics
-        await asyncio.to_thread(self.metrics.log, self.step, metrics)
+        while self._log_writes and self._log_writes[0].done():
+            self._log_writes.popleft().result()
+        write = asyncio.get_running_loop().run_in_executor(
+            self._log_thread, self.metrics.log, self.step, metrics
+        )
+        self._log_writes.append(write)
+
+    async def _drain_logs(self) -> None:
+        """Wait until every metrics line handed to the sinks is written."""
+        writes, self._log_writes = self._log_writes, deque()
+        for outcome in await asyncio.gather(*writes, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    async def close(self) -> None:
+        """Finish the metrics writes, then close every sink (the sinks flush as they close)."""
+        try:
+            await self._drain_logs()
+        finally:
+            self._log_thread.shutdown(wait=True)
+            await asyncio.to_thread(self.metrics.close)
 
     async def _save(self) -> None:
+        await self._drain_logs()  # the metrics of every step the checkpoint holds are written
         in_flight = self.groups.in_flight()
         state = TrainerState(
             step=self.step,

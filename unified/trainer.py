@@ -149,7 +149,7 @@ class UnifiedTrainer:
         try:
             await calls.call("shutdown", self.backend.shutdown)
             if loop is not None:
-                await asyncio.to_thread(loop.metrics.close)
+                await loop.close()
         except Exception as e:
             if error is None:
                 raise

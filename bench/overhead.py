@@ -43,6 +43,7 @@ from unified import (
     UnifiedTrainer,
 )
 from unified.config import TrainerConfig
+from unified.loop import fewer_young_collections
 from unified.rollout import SamplingEngine
 
 TOKENS = 16
@@ -207,7 +208,29 @@ def direct(args: argparse.Namespace) -> tuple[float, float]:
         return (time.perf_counter() - wall) / n * 1e6, (time.process_time() - cpu) / n * 1e6
 
     n = (args.steps - 1) * args.groups * args.group_size
-    return min(asyncio.run(calls(n)) for _ in range(args.repeats))
+    with fewer_young_collections():  # as the trainer runs
+        return min(asyncio.run(calls(n)) for _ in range(args.repeats))
+
+
+def as_tasks(args: argparse.Namespace) -> tuple[float, float]:
+    """(Wall, CPU) microseconds per call of the same calls, each its own asyncio task in a task
+    group, a step's worth at a time: the floor of any trainer that runs rollouts as tasks."""
+
+    async def calls(n: int) -> tuple[float, float]:
+        engine, work = ZeroBackend().rollout_engine(), tasks(1024)
+        defaults = SamplingParams(max_tokens=TOKENS)
+        per_step = args.groups * args.group_size
+        wall, cpu = time.perf_counter(), time.process_time()
+        for start in range(0, n, per_step):
+            async with asyncio.TaskGroup() as group:
+                for i in range(start, min(n, start + per_step)):
+                    engine_i = SamplingEngine(engine, defaults, seed=i)
+                    group.create_task(single_turn(work[i % 1024], engine_i))
+        return (time.perf_counter() - wall) / n * 1e6, (time.process_time() - cpu) / n * 1e6
+
+    n = (args.steps - 1) * args.groups * args.group_size
+    with fewer_young_collections():  # as the trainer runs
+        return min(asyncio.run(calls(n)) for _ in range(args.repeats))
 
 
 def in_flight(args: argparse.Namespace) -> dict[str, float]:
@@ -261,6 +284,7 @@ def main() -> None:
         per_trajectory(args, "sync"),
     )
     us_direct, cpu_direct = direct(args)
+    us_tasks, cpu_tasks = as_tasks(args)
     memory = in_flight(args)
     print(
         f"{args.groups} groups x {args.group_size} rollouts per step, {args.steps} steps, "
@@ -271,6 +295,10 @@ def main() -> None:
     print(
         f"  workflow + backend alone, no trainer: {us_direct:.1f} us per call "
         f"({cpu_direct:.1f} us of CPU)"
+    )
+    print(
+        f"  the same calls, each an asyncio task: {us_tasks:.1f} us per call "
+        f"({cpu_tasks:.1f} us of CPU): the floor of a trainer with a task per rollout"
     )
     print(
         f"  the async trainer adds {us_async - us_direct:.1f} us per trajectory "
@@ -289,6 +317,7 @@ def main() -> None:
         "us_per_trajectory_sync": us_sync,
         "us_per_call_without_trainer": us_direct,
         "cpu_us_per_call_without_trainer": cpu_direct,
+        "us_per_call_as_tasks": us_tasks,
         "bytes_drift_per_step": memory["bytes_drift_per_step"],
     }
     if args.json:

@@ -53,7 +53,7 @@ class _StepAbandoned(Exception):
 
 
 @contextmanager
-def _fewer_young_collections() -> Iterator[None]:
+def fewer_young_collections() -> Iterator[None]:
     """Collect the youngest generation every 50,000 allocations instead of 700 while training.
 
     Each episode allocates a few dozen short-lived objects, nearly all freed by reference
@@ -168,7 +168,7 @@ class TrainingLoop:
 
         After a stop, a checkpoint of the last trained step is written unless one exists.
         """
-        with _fewer_young_collections():
+        with fewer_young_collections():
             async with self.rollouts.serving(), asyncio.TaskGroup() as tg:
                 dispatcher = tg.create_task(self._dispatch())
                 try:

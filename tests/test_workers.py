@@ -205,3 +205,34 @@ def test_a_trainer_process_joins_an_existing_cluster_through_ray_address(
     assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 2.0, (
         "the cluster outlives the trainer that joined it"
     )
+
+
+def test_a_ray_start_that_timed_out_is_tried_once_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ray gives its raylet a fixed 30 s at start-up; a loaded machine can miss it. Nothing is
+    # started here: `ray.init` answers as a start that timed out, then as one that worked.
+    from unified.workers import init_ray
+
+    calls: list[dict[str, Any]] = []
+    shutdowns: list[bool] = []
+
+    def init(**settings: Any) -> None:
+        calls.append(settings)
+        if len(calls) == 1:
+            raise Exception("The current node timed out during startup. This could happen ...")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(True))
+    init_ray(num_cpus=2, address=None)
+    assert calls == [{"num_cpus": 2, "address": None}] * 2
+    assert shutdowns == [True], "the half-started node is shut down before the second try"
+
+
+def test_a_ray_start_that_failed_otherwise_raises_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from unified.workers import init_ray
+
+    def init(**settings: Any) -> None:
+        raise ConnectionError("could not connect to 10.0.0.9:6379")
+
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(ConnectionError, match="could not connect"):
+        init_ray(address="10.0.0.9:6379")

@@ -39,7 +39,7 @@ from unified.rollout import (
 )
 from unified.types import Episode, ModelOutput, Task
 
-__all__ = ["RolloutWorker", "WorkerPool", "start_local_ray"]
+__all__ = ["RolloutWorker", "WorkerPool", "init_ray", "start_local_ray"]
 
 log = logging.getLogger(__name__)
 
@@ -389,17 +389,22 @@ def start_local_ray(num_cpus: int) -> None:
     """Start a private Ray on 127.0.0.1 with `num_cpus` CPUs (blocking: seconds to a minute).
 
     Its workers run at the trainer's priority: Ray's default (`nice` +15) would hand their
-    workflows' CPU to any other process on a busy machine. Ray gives its raylet a fixed 30 s to
-    register at start-up, which a loaded machine can miss; a start that timed out that way is
-    tried once more.
+    workflows' CPU to any other process on a busy machine.
     """
-    settings: dict[str, Any] = {
-        "num_cpus": num_cpus,
-        "include_dashboard": False,
-        "_node_ip_address": "127.0.0.1",
-        "log_to_driver": False,
-        "_system_config": {"worker_niceness": 0},
-    }
+    init_ray(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        _system_config={"worker_niceness": 0},
+    )
+
+
+def init_ray(**settings: Any) -> None:
+    """`ray.init(**settings)`, tried once more if the node did not start in time.
+
+    Ray gives its raylet a fixed 30 s to register at start-up, which a loaded machine can miss.
+    """
     try:
         ray.init(**settings)
     except Exception as e:

@@ -57,6 +57,7 @@ class PolicyGroup:
         from verl.workers.utils.losses import ppo_loss
 
         from backends.verl.worker import PolicyWorker
+        from unified.workers import init_ray
 
         env = self._worker_environment()
         if self.device == "cpu":
@@ -69,7 +70,7 @@ class PolicyGroup:
         if not ray.is_initialized():
             if self.ray_address is None:
                 cpus = max(self.num_workers, os.cpu_count() or 1)
-                ray.init(
+                init_ray(
                     num_cpus=cpus,
                     num_gpus=0 if self.device == "cpu" else None,
                     include_dashboard=False,
@@ -78,7 +79,7 @@ class PolicyGroup:
                     runtime_env={"env_vars": env},
                 )
             else:
-                ray.init(address=self.ray_address, runtime_env={"env_vars": env})
+                init_ray(address=self.ray_address, runtime_env={"env_vars": env})
             self._started_ray = True
         pool = RayResourcePool(
             process_on_nodes=[self.num_workers],

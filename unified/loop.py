@@ -10,8 +10,10 @@ same loop at staleness 0 with an admission window of one step that trains only a
 so generation and training alternate. Every task lives in a `TaskGroup` owned by `run`.
 
 `request_stop` (SIGINT/SIGTERM in `UnifiedTrainer.fit`) stops dispatch at once; the step in
-progress still trains if its groups are ready within `trainer.stop_grace_s`, else it is abandoned
-without an optimizer step. Then a checkpoint holds everything not trained, to dispatch again.
+progress (between steps: the next one, whose groups may all be out already) still trains if its
+groups are ready within `trainer.stop_grace_s`, else it is abandoned without an optimizer step.
+Then a checkpoint holds everything not trained, to dispatch again. Metrics lines go to their
+sinks on a thread of their own, off the training path.
 """
 
 from __future__ import annotations

@@ -193,11 +193,11 @@ async def measure(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> d
     from backends.verl.backend import VerlBackend
 
     backend = VerlBackend()
-    started = time.perf_counter()
-    await backend.setup(run_config(args, model_dir, run_dir))
-    setup_s = time.perf_counter() - started
     steps: list[dict[str, float]] = []
     try:
+        started = time.perf_counter()
+        await backend.setup(run_config(args, model_dir, run_dir))
+        setup_s = time.perf_counter() - started
         for step in range(args.warmup + args.steps):
             t0 = time.perf_counter()
             groups, tokens = await sample_groups(backend, args, step)
@@ -223,12 +223,44 @@ async def measure(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> d
             )
             if step >= args.warmup:
                 steps.append(timing)
+        sync = await sync_breakdown(backend, args.timeout_s, version=args.warmup + args.steps + 1)
         workers = backend.group.group.workers
         refs = [handle.__ray_call__.remote(process_memory) for handle in workers]
         worker_memory = ray.get(refs, timeout=args.timeout_s)
     finally:
         await backend.shutdown()
-    return {"setup_s": setup_s, "steps": steps, "workers_memory": worker_memory}
+    return {"setup_s": setup_s, "steps": steps, "sync": sync, "workers_memory": worker_memory}
+
+
+def export_in_worker(worker: Any) -> float:
+    """Seconds a worker takes to gather and copy out the full weights (run through Ray's
+    `__ray_call__` on every worker at once: the gather is collective), none of it sent back."""
+    started = time.perf_counter()
+    worker.export_weights()
+    return time.perf_counter() - started
+
+
+async def sync_breakdown(backend: Any, timeout_s: float, *, version: int) -> dict[str, Any]:
+    """One more weight sync in its parts, as `on_policy_updated` makes it: the workers gather the
+    weights, Ray brings them to this process, the sampler loads them."""
+    import ray
+
+    workers = backend.group.group.workers
+    async with asyncio.timeout(timeout_s):
+        refs = [handle.__ray_call__.remote(export_in_worker) for handle in workers]
+        in_worker_s = max(await asyncio.to_thread(ray.get, refs, timeout=timeout_s))
+        started = time.perf_counter()
+        weights = await asyncio.to_thread(backend.group.export_weights)
+        exported = time.perf_counter()
+        await asyncio.to_thread(backend.sampler.load_weights, weights, version)
+        loaded = time.perf_counter()
+    return {
+        "gather_in_worker_s": in_worker_s,
+        "export_s": exported - started,
+        "load_s": loaded - exported,
+        "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+        "dtypes": sorted({str(t.dtype) for t in weights.values()}),
+    }
 
 
 def summarise(figures: dict[str, Any]) -> dict[str, Any]:
@@ -268,6 +300,12 @@ def report(figures: dict[str, Any]) -> None:
         f"(target < {SYNC_SHARE_TARGET:.0%}: {verdict}); "
         f"of train {summary['sync_share_of_train']:.2%}; "
         f"{summary['tokens_per_s']:.0f} tokens/s"
+    )
+    sync = figures["sync"]
+    print(
+        f"  one more sync: from the workers {sync['export_s']:.3f} s "
+        f"({sync['bytes'] / 2**20:.0f} MiB, {'/'.join(sync['dtypes'])}; of which the gather in "
+        f"the worker {sync['gather_in_worker_s']:.3f} s), into the sampler {sync['load_s']:.3f} s"
     )
     for name, memory in [("driver", figures["driver_memory"])] + [
         (f"worker {rank}", m) for rank, m in enumerate(figures["workers_memory"])
@@ -323,6 +361,9 @@ def main() -> None:
     name = "tiny" if args.tiny else "qwen2-0.5b"
     model_dir = args.model_dir or Path(tempfile.gettempdir()) / f"unified-bench-{name}-random"
     parameters, build_s = build_model(model_dir, shape, args.device)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # the driver's peak is the sampler's, not the build's
     print(f"model {name}: {parameters / 1e6:.1f}M parameters in {model_dir}", flush=True)
     with tempfile.TemporaryDirectory() as run_dir:
         figures = asyncio.run(measure(args, model_dir, Path(run_dir)))

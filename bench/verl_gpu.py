@@ -226,7 +226,7 @@ async def measure(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> d
         sync = await sync_breakdown(backend, args.timeout_s, version=args.warmup + args.steps + 1)
         workers = backend.group.group.workers
         refs = [handle.__ray_call__.remote(process_memory) for handle in workers]
-        worker_memory = ray.get(refs, timeout=args.timeout_s)
+        worker_memory = await asyncio.to_thread(ray.get, refs, timeout=args.timeout_s)
     finally:
         await backend.shutdown()
     return {"setup_s": setup_s, "steps": steps, "sync": sync, "workers_memory": worker_memory}
@@ -324,6 +324,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the built-in tiny shape, small steps")
     parser.add_argument("--model-dir", type=Path, help="default: a directory under the temp dir")
+    parser.add_argument("--vocab", type=int, help="vocabulary size (default 151,936; tiny 1,024)")
     parser.add_argument("--workers", type=int, default=1, help="training processes (GPUs)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -343,6 +344,8 @@ def parse_args() -> argparse.Namespace:
             setattr(args, key, value)
     if args.steps < 1:
         parser.error("--steps must be at least 1 (the timed steps)")
+    if args.vocab is not None and args.vocab < 104:
+        parser.error(f"--vocab {args.vocab} is below the tokenizer's 104 tokens; pass 104 or more")
     if args.device == "cuda":
         import torch
 
@@ -359,6 +362,9 @@ def main() -> None:
 
     shape = TINY if args.tiny else QWEN2_0_5B
     name = "tiny" if args.tiny else "qwen2-0.5b"
+    if args.vocab is not None:
+        shape = {**shape, "vocab_size": args.vocab}
+        name += f"-vocab{args.vocab}"
     model_dir = args.model_dir or Path(tempfile.gettempdir()) / f"unified-bench-{name}-random"
     parameters, build_s = build_model(model_dir, shape, args.device)
     if args.device == "cuda":

@@ -250,7 +250,7 @@ async def sync_breakdown(backend: Any, timeout_s: float, *, version: int) -> dic
         refs = [handle.__ray_call__.remote(export_in_worker) for handle in workers]
         in_worker_s = max(await asyncio.to_thread(ray.get, refs, timeout=timeout_s))
         started = time.perf_counter()
-        weights = await asyncio.to_thread(backend.group.export_weights)
+        weights = await asyncio.to_thread(backend.group.export_weights, backend.tied)
         exported = time.perf_counter()
         await asyncio.to_thread(backend.sampler.load_weights, weights, version)
         loaded = time.perf_counter()
@@ -258,7 +258,10 @@ async def sync_breakdown(backend: Any, timeout_s: float, *, version: int) -> dic
         "gather_in_worker_s": in_worker_s,
         "export_s": exported - started,
         "load_s": loaded - exported,
-        "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+        # Tied names come back as the tensor they alias: count each tensor once.
+        "bytes": sum(
+            t.numel() * t.element_size() for t in {id(t): t for t in weights.values()}.values()
+        ),
         "dtypes": sorted({str(t.dtype) for t in weights.values()}),
     }
 

@@ -39,6 +39,7 @@ from backends.verl.config import (
     training_worker_config,
 )
 from backends.verl.convert import Row, groups_to_rows, rows_to_batch
+from backends.verl.weights import tied_aliases
 from backends.verl.worker_group import PolicyGroup
 from unified.config import TrainerConfig
 from unified.errors import BackendError
@@ -89,6 +90,7 @@ class VerlBackend(BackendProtocol):
         if self.device == "cuda":
             model = model.to("cuda")
         self.sampler = BatchingSampler(model, self.tokenizer, max_batch=self.settings.max_batch)
+        self.tied = tied_aliases(model)  # not sent at a weight sync: refilled here
         overrides = hydra_overrides(config, self.settings, self.model_dir)
         composed = await asyncio.to_thread(compose_verl_config, overrides)
         await asyncio.to_thread(self._record, config, composed)
@@ -198,7 +200,9 @@ class VerlBackend(BackendProtocol):
     # -- weight sync --------------------------------------------------------------------------
 
     async def on_policy_updated(self, version: int) -> None:
-        weights = await self._call("gathering the trained weights", self.group.export_weights)
+        weights = await self._call(
+            "gathering the trained weights", self.group.export_weights, self.tied
+        )
         # load_weights holds the sampler's lock: it waits for the batch running now, if any.
         await asyncio.to_thread(self.sampler.load_weights, weights, version)
 
@@ -241,7 +245,9 @@ class VerlBackend(BackendProtocol):
 
     async def export_model(self, directory: Path) -> None:
         """Write the trained policy as a Hugging Face model directory."""
-        weights = await self._call("gathering the trained weights", self.group.export_weights)
+        weights = await self._call(
+            "gathering the trained weights", self.group.export_weights, self.tied
+        )
         await asyncio.to_thread(self._export, weights, directory)
 
     def _export(self, weights: dict[str, torch.Tensor], directory: Path) -> None:

@@ -16,9 +16,9 @@ On CPU the process group is gloo, initialised here before verl's worker would tr
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from verl.single_controller.base.decorator import (
@@ -29,6 +29,8 @@ from verl.single_controller.base.decorator import (
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_name
 from verl.workers.engine_workers import TrainingWorker
+
+from backends.verl.weights import Wire, to_wire
 
 __all__ = ["PolicyWorker"]
 
@@ -77,10 +79,15 @@ class PolicyWorker(TrainingWorker):  # type: ignore[misc]
         return result
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
-    def export_weights(self) -> dict[str, torch.Tensor] | None:
-        """The full weights as CPU tensors on rank 0 (None elsewhere); every rank must call it."""
+    def export_weights(self, skip: Sequence[str] = ()) -> dict[str, Wire] | None:
+        """The full weights on rank 0 but the names in `skip` (None elsewhere), in the form
+        `to_wire` gives; every rank must call it (the gathers are collective)."""
         params, _ = self.engine.get_per_tensor_param()
-        weights = {name: tensor.detach().to("cpu").clone() for name, tensor in params}
+        weights: dict[str, Wire] = {}
+        for name, tensor in params:
+            full = tensor.detach().to("cpu")
+            if self.rank == 0 and name not in skip:
+                weights[name] = to_wire(full)
         return weights if self.rank == 0 else None
 
 

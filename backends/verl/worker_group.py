@@ -12,6 +12,7 @@ TensorDict -> worker call -> padded results. Every call blocks: the backend runs
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from verl import DataProto
 
 from backends.verl.convert import micro_batch_rows, to_no_padding
+from backends.verl.weights import from_wire, with_aliases
 from unified.errors import BackendError
 
 __all__ = ["PolicyGroup"]
@@ -193,13 +195,18 @@ class PolicyGroup:
         output = self.group.train_step(td).get()
         return _reduce(tu.get(output, "metrics"))
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """The full trained weights (gathered from the shards), as CPU tensors."""
-        results = self.group.export_weights()
-        weights = next((r for r in results if r is not None), None)
-        if weights is None:
+    def export_weights(self, tied: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
+        """The full trained weights (gathered from the shards), as CPU tensors.
+
+        `tied` maps names tied to another (see `tied_aliases`) to it: they are not sent, and
+        come back as that name's tensor.
+        """
+        tied = tied or {}
+        results = self.group.export_weights(skip=list(tied))
+        sent = next((r for r in results if r is not None), None)
+        if sent is None:
             raise BackendError("no verl worker returned the exported weights")
-        return weights  # type: ignore[no-any-return]
+        return with_aliases({name: from_wire(w) for name, w in sent.items()}, tied)
 
     def save_checkpoint(self, directory: Path, *, step: int, max_keep: int | None) -> None:
         """verl's checkpoint of model, optimizer and RNG shards into `directory` (every rank)."""

@@ -33,6 +33,7 @@ class ScriptedEngine(RolloutEngine):
         self._tokenizer = build_tokenizer()
         self.replies = list(replies)
         self.prompts: list[list[dict[str, Any]]] = []
+        self.sampling: list[dict[str, Any]] = []
 
     @property
     def tokenizer(self) -> Any:
@@ -47,6 +48,7 @@ class ScriptedEngine(RolloutEngine):
 
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
         self.prompts.append([dict(m) for m in messages])
+        self.sampling.append(dict(sampling))
         return await self.complete(self.encode_chat(messages), **sampling)
 
     async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:

@@ -54,6 +54,16 @@ async def test_an_episode_past_the_turn_limit_stops_and_is_marked_truncated() ->
     assert trajectory.reward == pytest.approx(-0.4)
 
 
+async def test_sampling_settings_can_change_per_turn() -> None:
+    class ShortLastTurn(Guess):
+        def sampling(self, turn: int) -> dict[str, Any]:
+            return {"max_tokens": 2} if turn == self.max_turns - 1 else {}
+
+    engine = ScriptedEngine(["1", "2", "3", "4"])
+    await ShortLastTurn().run(TASK, engine)
+    assert engine.sampling == [{}, {}, {}, {"max_tokens": 2}]
+
+
 async def test_a_turn_limit_below_one_is_a_clear_error() -> None:
     class NoTurns(Guess):
         max_turns = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import pytest
@@ -14,7 +15,7 @@ from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.types import Task
 from workflows.tool_calls import ToolCall, parse_tool_calls
-from workflows.tools import Tool, ToolWorkflow, run_tool_calls
+from workflows.tools import Tool, ToolResult, ToolWorkflow, run_tool_calls
 
 TASK = Task(id="t", data={"a": 2, "b": 3})
 
@@ -153,6 +154,30 @@ async def test_an_episode_that_only_calls_tools_until_the_limit_scores_zero() ->
     trajectory = await Adder().run(TASK, engine)
     assert len(trajectory.steps) == 3 and trajectory.reward == 0.0
     assert trajectory.steps[-1].info["truncated"]
+
+
+async def test_a_turn_of_calls_is_scored_and_a_result_that_proves_the_answer_solves_it() -> None:
+    class Checked(Adder):
+        def tool_reward(self, task: Task, results: Sequence[ToolResult]) -> tuple[float, bool]:
+            solved = any(r.content == str(task.data["a"] + task.data["b"]) for r in results)
+            return (1.0 if solved else 0.25), solved
+
+    engine = ScriptedEngine([call("add", a=1, b=1), call("add", a=2, b=3), "never asked"])
+    trajectory = await Checked().run(TASK, engine)
+    assert [s.reward for s in trajectory.steps] == [0.25, 1.0] and trajectory.reward == 1.25
+    assert trajectory.steps[-1].info["correct"] and trajectory.steps[-1].info["done"]
+    assert engine.replies == ["never asked"]
+
+
+async def test_end_on_tool_error_ends_the_episode_at_a_failed_call() -> None:
+    class Strict(Adder):
+        end_on_tool_error = True
+
+    engine = ScriptedEngine([call("add", a=1), call("fail", reason="flaky"), "5"])
+    trajectory = await Strict().run(TASK, engine)
+    assert len(trajectory.steps) == 2 and trajectory.reward == 0.0
+    assert trajectory.steps[-1].info["done"] and trajectory.steps[-1].info["tool_errors"] == 1
+    assert engine.replies == ["5"], "the error was not shown to the model"
 
 
 async def test_without_declared_tools_no_system_message_is_added() -> None:

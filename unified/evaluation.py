@@ -84,18 +84,31 @@ async def evaluate(
 
 
 def tool_call_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """`eval/tool_calls` per episode and the share of them `eval/tool_calls_well_formed`.
+    """Tool-call metrics of an evaluation, from the steps' `info["tool_calls"]`/`["tool_errors"]`.
 
-    Counted from the steps' `info["tool_calls"]` and `info["tool_errors"]` (what `ToolWorkflow`
-    records); a well-formed call parsed, named a tool, had valid arguments and ran without error.
-    Empty for a workflow that records no tool calls; the share is left out when nothing was called.
+    `eval/tool_calls`: calls per episode; `eval/tool_calls_well_formed`: the share of calls
+    that parsed, named a tool, had valid arguments and ran without error (left out when nothing
+    was called); `eval/tool_use`: the share of episodes that called a tool;
+    `eval/tool_use_well_formed`: the share of episodes that called one and whose every call was
+    well-formed. Empty for a workflow that records no tool calls (`ToolWorkflow` records them).
     """
-    infos = [s.info for e in episodes for t in e.trajectories for s in t.steps]
-    if not any("tool_calls" in info for info in infos):
+    if not any("tool_calls" in s.info for e in episodes for t in e.trajectories for s in t.steps):
         return {}
-    calls = sum(int(info.get("tool_calls", 0)) for info in infos)
-    errors = sum(int(info.get("tool_errors", 0)) for info in infos)
-    metrics = {"eval/tool_calls": calls / max(1, len(episodes))}
+    calls = errors = used = clean = 0
+    for episode in episodes:
+        infos = [s.info for t in episode.trajectories for s in t.steps]
+        episode_calls = sum(int(info.get("tool_calls", 0)) for info in infos)
+        episode_errors = sum(int(info.get("tool_errors", 0)) for info in infos)
+        calls += episode_calls
+        errors += episode_errors
+        used += episode_calls > 0
+        clean += episode_calls > 0 and episode_errors == 0
+    n = max(1, len(episodes))
+    metrics = {
+        "eval/tool_calls": calls / n,
+        "eval/tool_use": used / n,
+        "eval/tool_use_well_formed": clean / n,
+    }
     if calls:
         metrics["eval/tool_calls_well_formed"] = 1.0 - errors / calls
     return metrics

@@ -75,7 +75,7 @@ class MultiTurnWorkflow(Workflow):
         steps: list[Step] = []
         for turn in range(self.max_turns):
             prompt = transcript.snapshot()
-            output = await model.chat(list(prompt))
+            output = await model.chat(list(prompt), **self.sampling(turn))
             transcript.append({"role": "assistant", "content": output.text})
             observation, reward, done = await env.step(output.text)
             truncated = not done and turn == self.max_turns - 1
@@ -85,6 +85,13 @@ class MultiTurnWorkflow(Workflow):
                 break
             self._observe(transcript, observation)
         return Trajectory(steps=steps, reward=self.trajectory_reward(steps))
+
+    def sampling(self, turn: int) -> dict[str, Any]:
+        """Sampling settings for turn `turn` (0-based) over the config's; none by default.
+
+        E.g. a shorter `max_tokens` for the last turn, where only an answer fits the context.
+        """
+        return {}
 
     def step_info(self, env: Environment) -> dict[str, Any]:
         """Extra `Step.info` entries after a turn (e.g. `correct`); none by default."""

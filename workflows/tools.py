@@ -154,9 +154,10 @@ class ToolWorkflow(MultiTurnWorkflow):
 
     Each turn the model may call tools (results come back as `role: tool` messages) or answer;
     the answer (a reply with no tool call) ends the episode and is scored by `reward`, which
-    returns a float or `(reward, correct)`. An episode that reaches `max_turns` still calling
-    tools scores 0. The tools are declared in a system message (`workflows.tool_calls`), so any
-    chat template renders them.
+    returns a float or `(reward, correct)`. A turn of calls is scored by `tool_reward` (0 unless
+    overridden), which may also end the episode solved. An episode that reaches `max_turns`
+    still calling tools gets only its turns' rewards. The tools are declared in a system message
+    (`workflows.tool_calls`), so any chat template renders them.
     """
 
     tools: ClassVar[Sequence[Callable[..., Any]]] = ()
@@ -164,6 +165,9 @@ class ToolWorkflow(MultiTurnWorkflow):
     """Declare the tools in a system message; off for a model that learnt them (a short context)."""
     tool_timeout_s: float = 10.0
     max_calls_per_turn: int = 4
+    end_on_tool_error: bool = False
+    """End the episode at a turn whose call failed (it scores `tool_reward`) instead of showing
+    the error: for a model with a short context, where a garbled call leaves no room to recover."""
     observation_role = "tool"
     max_turns = 4
 
@@ -174,6 +178,14 @@ class ToolWorkflow(MultiTurnWorkflow):
     @abstractmethod
     def reward(self, task: Task, answer: str) -> float | tuple[float, bool]:
         """Score the final answer."""
+
+    def tool_reward(self, task: Task, results: Sequence[ToolResult]) -> float | tuple[float, bool]:
+        """The reward of a turn that called tools; `(reward, True)` ends the episode solved.
+
+        0 by default. Override it when a tool can prove an answer (a test suite that passes, a
+        calculator that shows the target): the episode then ends at that turn, marked correct.
+        """
+        return 0.0
 
     def tools_for(self, task: Task) -> Sequence[Callable[..., Any]]:
         """The tools of an episode of `task`: `tools` unless overridden."""
@@ -220,5 +232,8 @@ class _ToolEnvironment:
             calls = [*calls[:limit], ToolCall(name="", error=f"at most {limit} calls per turn")]
         results = await run_tool_calls(calls, self.tools, self.workflow.tool_timeout_s)
         errors = sum(not result.ok for result in results)
-        self.last_info = {"tool_calls": len(calls), "tool_errors": errors, "correct": False}
-        return [result.message() for result in results], 0.0, False
+        scored = self.workflow.tool_reward(self.task, results)
+        reward, solved = scored if isinstance(scored, tuple) else (scored, False)
+        self.last_info = {"tool_calls": len(calls), "tool_errors": errors, "correct": solved}
+        done = solved or (errors > 0 and self.workflow.end_on_tool_error)
+        return [result.message() for result in results], reward, done

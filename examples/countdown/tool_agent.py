@@ -1,31 +1,37 @@
-"""`CountdownToolAgent`: countdown with a calculator the policy may call once before it answers.
+"""`CountdownToolAgent`: countdown with a calculator the policy uses to check its candidates.
 
-An episode is one of two shapes. Answer directly: `3 7 12 -> 33` -> `3*7+12`. Or check first:
-the policy calls `calc` on a candidate (`<tool_call>{"name":"calc","arguments":{"expr":"3*7+12"}}
-</tool_call>`, written by `tool_call`), reads its exact value (`33`) in a tool message, and then
-answers. The final answer is scored like the single-turn `CountdownWorkflow`'s; a call costs
-nothing but tokens. What RL has to learn: when to check (the warm start checks half the time),
-which candidate to check, and what to answer after reading the value (the checked candidate when
-it hits the target, another expression when it misses).
+Each turn the policy either answers (`3 7 12 -> 33` -> `3*7+12`) or checks a candidate with
+`calc` (`<tool_call>{"name":"calc","arguments":{"expr":"3*7+12"}}</tool_call>`, written by
+`tool_call`) and reads its exact value in a tool message. A check that hits the target solves the
+episode at once; a miss leaves the policy another turn to try again, with the value it read.
+Every attempt, checked or answered, is scored like the single-turn `CountdownWorkflow`'s answer
+(integer closeness credit, format credit) and the episode scores its best attempt: a check is a
+free attempt that shows its value, so checking pays, and RL learns which candidates to check and
+what to try after a miss. A garbled call ends the episode with 0. The warm start checks half
+the problems.
 
 Config: `workflow: examples.countdown.tool_agent:CountdownToolAgent`. The tools are not declared
 in a system message: the warm start teaches the one tool, and the built-in model has 256
-positions.
+positions, which hold two checks and an answer.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from examples.countdown.reward import countdown_reward, expression_value
 from examples.countdown.tasks import prompt
 from examples.countdown.workflow import CountdownWorkflow
-from unified.types import Task
+from unified.types import Step, Task
 from workflows.tool_calls import TOOL_CALL_END, TOOL_CALL_START
-from workflows.tools import ToolWorkflow
+from workflows.tools import ToolResult, ToolWorkflow
 
-__all__ = ["CountdownToolAgent", "calc", "calc_result", "tool_call"]
+__all__ = ["ANSWER_TOKENS", "CountdownToolAgent", "calc", "calc_result", "tool_call"]
+
+ANSWER_TOKENS = 24
+"""`max_tokens` of the last turn: an answer over three numbers is at most 12 characters."""
 
 
 def calc(expr: str) -> str:
@@ -57,15 +63,18 @@ def tool_call(expr: str) -> str:
 
 
 class CountdownToolAgent(ToolWorkflow):
-    """Answer a countdown prompt, optionally after one `calc` call on a candidate expression.
+    """Solve a countdown prompt in up to three attempts, each a `calc` check or the answer.
 
-    A second call instead of an answer ends the episode at `max_turns` with reward 0.
+    An answer ends the episode; so does a check that hits the target, and a call that fails
+    (the episode then scores 0). The last turn has room for an answer only (`ANSWER_TOKENS`): a
+    call there is cut off, which fails it.
     """
 
     tools = (calc,)
     declare_tools = False
-    max_turns = 2
+    max_turns = 3
     max_calls_per_turn = 1
+    end_on_tool_error = True  # a garbled call's text and error would crowd out the next turns
     tool_timeout_s = 5.0
 
     def messages(self, task: Task) -> list[dict[str, Any]]:
@@ -78,3 +87,18 @@ class CountdownToolAgent(ToolWorkflow):
             format_reward=CountdownWorkflow.format_reward,
             closeness_reward=CountdownWorkflow.closeness_reward,
         )
+
+    def tool_reward(self, task: Task, results: Sequence[ToolResult]) -> tuple[float, bool]:
+        """A check scores its expression as an answer; one that hits the target solves the task."""
+        scores = [self.reward(task, r.call.arguments["expr"]) for r in results if r.ok]
+        return max(scores, default=(0.0, False))
+
+    def trajectory_reward(self, steps: Sequence[Step]) -> float:
+        """The best attempt's score (a miss checked on the way costs nothing), or 0 after a
+        garbled call: otherwise a good first attempt would shield the calls after it."""
+        if any(step.info.get("tool_errors") for step in steps):
+            return 0.0
+        return max(step.reward for step in steps)
+
+    def sampling(self, turn: int) -> dict[str, Any]:
+        return {"max_tokens": ANSWER_TOKENS} if turn == self.max_turns - 1 else {}

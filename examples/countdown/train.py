@@ -75,8 +75,14 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
             f"  calc calls per eval episode, before: {calls['before']:.2f}, "
             f"after: {calls['after']:.2f}"
         )
-        formed = [_percent(m.get("eval/tool_calls_well_formed")) for m in (first, result.metrics)]
-        print(f"  well-formed calc calls, before: {formed[0]}, at the last eval: {formed[1]}")
+        used, clean = (
+            [_percent(m.get(key)) for m in (first, result.metrics)]
+            for key in ("eval/tool_use", "eval/tool_use_well_formed")
+        )
+        print(f"  eval episodes calling calc, before: {used[0]}, at the last eval: {used[1]}")
+        print(
+            f"  ... with every call well-formed, before: {clean[0]}, at the last eval: {clean[1]}"
+        )
     print(f"  baseline, a random valid expression:   {reference['random_valid_expression']:.1%}")
     print(f"  baseline, the best fixed pattern:      {reference['best_fixed_pattern']:.1%}")
     print(
@@ -88,7 +94,7 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
 
 
 def _percent(share: float | None) -> str:
-    return "no calls" if share is None else f"{share:.1%}"
+    return "-" if share is None else f"{share:.1%}"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Supervised warm-start data: countdown prompts answered by random *valid* expressions.
 
-The tool agent's warm start (`tool_warmstart_examples`) mixes in episodes that check a random
-expression with the calculator before answering, covering the tool-call format.
+The tool agent's warm start (`tool_warmstart_examples`) mixes in episodes that check random
+expressions with the calculator, covering the tool-call format.
 
 A tiny built-in model cannot learn the answer format from reward alone, so `unified sft` first
 teaches it: each example pairs a fresh train-split prompt with a random expression using every
@@ -60,19 +60,23 @@ def tool_warmstart_examples(
     max_target: int = 100,
     in_order: float = 0.0,
     tool_share: float = 0.5,
+    max_checks: int = 2,
 ) -> list[dict[str, Any]]:
     """`n` chat examples for `CountdownToolAgent`: direct answers and checked ones, mixed.
 
-    A `tool_share` of the problems are checked: one example calls `calc` on a random valid
-    expression, the next sees the call and its result and answers that expression if it hit the
-    target, another random one if not. The rest are answered directly, as in
-    `warmstart_examples` (which is this with `tool_share=0`). Expressions are never chosen by the
-    target, so the warm start covers the format and leaves the policy to RL.
+    A `tool_share` of the problems are checked: up to `max_checks` calls of `calc` on distinct
+    random valid expressions, one example per call, each seeing the calls and values before it;
+    a hit ends the episode (the agent scores it), and after `max_checks` misses an example
+    answers another expression. The rest are answered directly, as in `warmstart_examples`
+    (which is this with `tool_share=0`). Expressions are never chosen by the target, so the
+    warm start covers the format and leaves the policy to RL.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if not 0.0 <= tool_share <= 1.0:
         raise ValueError(f"tool_share must be in [0, 1], got {tool_share}")
+    if max_checks < 1:
+        raise ValueError(f"max_checks must be >= 1, got {max_checks}")
     rng = random.Random(f"countdown-warmstart/{seed}")
     examples: list[dict[str, Any]] = []
     while len(examples) < n:
@@ -81,19 +85,37 @@ def tool_warmstart_examples(
         )
         if split_of(values, target) != "train":
             continue
-        user = {"role": "user", "content": prompt({"numbers": values, "target": target})}
-
+        context: list[dict[str, Any]] = [
+            {"role": "user", "content": prompt({"numbers": values, "target": target})}
+        ]
         # Drawn only when checking, so tool_share=0 keeps the old examples for the same seed.
         if tool_share == 0.0 or rng.random() >= tool_share:
-            examples.append(_chat(user, _expression(values, rng, in_order)))
+            examples.append(_chat(*context, _expression(values, rng, in_order)))
             continue
-        candidate = _expression(values, rng, in_order)
-        value = calc_result(candidate)
-        answer = candidate if value == str(target) else _expression(values, rng, in_order)
-        call = {"role": "assistant", "content": tool_call(candidate)}
-        result = {"role": "tool", "name": "calc", "content": value}
-        examples += [_chat(user, call["content"]), _chat(user, call, result, answer)]
+        tried: set[str] = set()
+        for _ in range(max_checks):
+            candidate = _untried(values, rng, in_order, tried)
+            examples.append(_chat(*context, tool_call(candidate)))
+            value = calc_result(candidate)
+            if value == str(target):
+                break
+            context += [
+                {"role": "assistant", "content": tool_call(candidate)},
+                {"role": "tool", "name": "calc", "content": value},
+            ]
+        else:
+            examples.append(_chat(*context, _untried(values, rng, in_order, tried)))
     return examples[:n]
+
+
+def _untried(values: list[int], rng: random.Random, in_order: float, tried: set[str]) -> str:
+    """A random expression not in `tried` (added to it), or a repeat if few others exist."""
+    for _ in range(20):
+        expression = _expression(values, rng, in_order)
+        if expression not in tried:
+            break
+    tried.add(expression)
+    return expression
 
 
 def _expression(values: list[int], rng: random.Random, in_order: float) -> str:

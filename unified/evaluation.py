@@ -92,17 +92,19 @@ def tool_call_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     `eval/tool_use_well_formed`: the share of episodes that called one and whose every call was
     well-formed. Empty for a workflow that records no tool calls (`ToolWorkflow` records them).
     """
-    if not any("tool_calls" in s.info for e in episodes for t in e.trajectories for s in t.steps):
-        return {}
+    recorded = False
     calls = errors = used = clean = 0
     for episode in episodes:
         infos = [s.info for t in episode.trajectories for s in t.steps]
+        recorded = recorded or any("tool_calls" in info for info in infos)
         episode_calls = sum(int(info.get("tool_calls", 0)) for info in infos)
         episode_errors = sum(int(info.get("tool_errors", 0)) for info in infos)
         calls += episode_calls
         errors += episode_errors
         used += episode_calls > 0
         clean += episode_calls > 0 and episode_errors == 0
+    if not recorded:
+        return {}
     n = max(1, len(episodes))
     metrics = {
         "eval/tool_calls": calls / n,

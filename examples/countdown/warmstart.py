@@ -95,12 +95,13 @@ def tool_warmstart_examples(
         tried: set[str] = set()
         for _ in range(max_checks):
             candidate = _untried(values, rng, in_order, tried)
-            examples.append(_chat(*context, tool_call(candidate)))
+            call = tool_call(candidate)
+            examples.append(_chat(*context, call))
             value = calc_result(candidate)
             if value == str(target):
                 break
             context += [
-                {"role": "assistant", "content": tool_call(candidate)},
+                {"role": "assistant", "content": call},
                 {"role": "tool", "name": "calc", "content": value},
             ]
         else:

@@ -28,6 +28,7 @@ from backends.local.builtin import (
     save_policy,
 )
 from unified.errors import UsageError
+from workflows.tool_calls import TOOL_CALL_END, TOOL_CALL_START
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PRINTABLE = [chr(c) for c in range(32, 127)] + ["\n"]
@@ -36,7 +37,9 @@ MESSAGES = [
     {"role": "user", "content": "2 + 2?"},
 ]
 SPACED_TEXT = "x = 1 ,\n\n  y don 't !"
+CALL_TEXT = '<tool_call>{"name": "calc", "arguments": {"expr": "3 * 7"}}</tool_call> = 21\n'
 RENDERED = "<|system|>Be brief.<|im_end|><|user|>2 + 2?<|im_end|><|assistant|>"
+TOOL_CALL_PIECES = (TOOL_CALL_START, TOOL_CALL_END, '{"name": "', '", "arguments": ')
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,8 @@ def weights_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 @settings(deadline=None, max_examples=200)
 @given(text=st.text(alphabet=st.sampled_from(PRINTABLE)))
 def test_tokenizer_round_trips_printable_ascii_one_token_per_character(text: str) -> None:
-    assume("<|" not in text)  # special-token text encodes to its one special token, by design
+    # Special-token text and the tool-call pieces encode to one token each, by design.
+    assume("<|" not in text and not any(piece in text for piece in TOOL_CALL_PIECES))
     tokenizer = build_tokenizer()
     ids = tokenizer.encode(text)
     assert len(ids) == len(text), f"expected one id per character of {text!r}, got {ids}"
@@ -80,11 +84,25 @@ def test_special_tokens_have_fixed_ids_and_roles(tokenizer: PreTrainedTokenizerF
 
     assert ids == [0, 1, 2, 3, 4], f"special-token ids moved: {ids}"
     assert tokenizer.encode("\n !~") == [5, 6, 7, 100], "characters follow the special tokens"
-    assert len(tokenizer) == 104, "vocabulary: 5 special tokens, 96 characters, 3 roles"
-    roles = tokenizer.convert_tokens_to_ids(["<|system|>", "<|user|>", "<|assistant|>"])
-    assert roles == [101, 102, 103], f"role-token ids moved: {roles}"
+    assert len(tokenizer) == 109, "vocabulary: 5 special, 96 characters, 4 roles, 4 call pieces"
+    roles = tokenizer.convert_tokens_to_ids(["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"])
+    assert roles == [101, 102, 103, 104], f"role-token ids moved: {roles}"
     assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|pad|>")
     assert tokenizer.bos_token is None, "no BOS: prompts start with a role token"
+
+
+def test_a_tool_call_spends_one_token_on_each_fixed_piece_and_decodes_back(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    body = '{"expr": "3*7"}}'
+    call = f'{TOOL_CALL_START}{{"name": "calc", "arguments": {body}{TOOL_CALL_END}'
+    ids = tokenizer.encode(call)
+
+    assert len(ids) == 4 + len("calc") + len(body), f"{len(ids)} tokens: {ids}"
+    assert ids[0] == 105 and ids[-1] == 106, "the markers are tokens 105 and 106"
+    assert tokenizer.decode(ids, skip_special_tokens=True) == call, "the pieces decode as text"
+    spelled = [i for c in call for i in tokenizer.encode(c)]
+    assert tokenizer.decode(spelled) == call, "a call sampled in single characters reads the same"
 
 
 def test_unknown_character_maps_to_unk(tokenizer: PreTrainedTokenizerFast) -> None:
@@ -195,8 +213,9 @@ def test_saved_tokenizer_encodes_and_templates_like_the_original(saved_policy: P
 
     _, loaded = load_policy(str(saved_policy))
 
-    assert loaded.encode(SPACED_TEXT) == tokenizer.encode(SPACED_TEXT)
-    assert loaded.decode(loaded.encode(SPACED_TEXT)) == SPACED_TEXT
+    for text in (SPACED_TEXT, CALL_TEXT):
+        assert loaded.encode(text) == tokenizer.encode(text), text
+        assert loaded.decode(loaded.encode(text)) == text
     assert loaded.encode("é") == [4], "unknown characters still map to <|unk|> after a reload"
     assert chat_prompt_ids(loaded, MESSAGES) == chat_prompt_ids(tokenizer, MESSAGES)
     assert (loaded.eos_token_id, loaded.pad_token_id) == (2, 0)
@@ -210,8 +229,9 @@ def test_saved_directory_tokenizes_the_same_through_plain_auto_tokenizer(
 
     loaded = AutoTokenizer.from_pretrained(saved_policy, local_files_only=True)
 
-    assert loaded.encode(SPACED_TEXT) == tokenizer.encode(SPACED_TEXT), type(loaded).__name__
-    assert loaded.decode(loaded.encode(SPACED_TEXT)) == SPACED_TEXT
+    for text in (SPACED_TEXT, CALL_TEXT):
+        assert loaded.encode(text) == tokenizer.encode(text), (type(loaded).__name__, text)
+        assert loaded.decode(loaded.encode(text)) == text
     assert chat_prompt_ids(loaded, MESSAGES) == chat_prompt_ids(tokenizer, MESSAGES)
 
 

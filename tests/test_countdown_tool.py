@@ -130,7 +130,7 @@ async def test_calc_tokens_never_train() -> None:
     samples, logp_T, _ = await local_loss_samples(group_of(trajectory))
     assert [s.completion for s in samples] == [first.completion_ids, second.completion_ids]
     assert logp_T.numel() == len(first.completion_ids) + len(second.completion_ids)
-    tool_ids = engine.tokenizer.encode("<|im_start|>tool\n22<|im_end|>")
+    tool_ids = engine.tokenizer.encode("<|tool|>22<|im_end|>")
     observation = second.prompt_ids[len(first.prompt_ids) + len(first.completion_ids) :]
     assert observation[: len(tool_ids)] == tool_ids, "the tool result is prompt, not completion"
 

@@ -48,8 +48,8 @@ def group_of(trajectory: Trajectory, advantage: float = 1.0) -> TrajectoryGroup:
 
 
 def tool_message_ids(engine: ScriptedEngine) -> list[int]:
-    """The tokens that render the tool's reply: `<|im_start|>tool\\n5<|im_end|>`."""
-    return engine.tokenizer.encode("<|im_start|>tool\n5<|im_end|>")
+    """The tokens that render the tool's reply: `<|tool|>5<|im_end|>`."""
+    return engine.tokenizer.encode("<|tool|>5<|im_end|>")
 
 
 def find(sequence: list[int], part: list[int]) -> int:

@@ -216,6 +216,6 @@ def test_the_builtin_template_renders_the_tools_list_and_tool_messages() -> None
         messages, tools=[TOOLS["add"].schema()], tokenize=False, add_generation_prompt=True
     )
     assert text.startswith('<|system|>{"type": "function"'), "tools open the prompt"
-    assert text.endswith("<|im_start|>tool\n5<|im_end|><|assistant|>")
+    assert text.endswith("<|tool|>5<|im_end|><|assistant|>")
     plain = tokenizer.apply_chat_template(messages[:1], tokenize=False)
     assert plain == "<|user|>2+3?<|im_end|>", "no tools, no system message"

@@ -2,10 +2,10 @@
 
 A built-in policy is a small Qwen2-architecture causal LM with random weights and a
 character-level tokenizer (printable ASCII and newline, one token per character, ChatML special
-tokens), all made on this machine. A policy is named by a spec: `builtin:<size>` or the path of a
-local Hugging Face model directory. Invariants: nothing is ever downloaded (anything else is a
-`UsageError`), and the same size and seed give bit-identical weights without touching the
-caller's RNG.
+tokens, one token for each fixed piece of the tool-call format), all made on this machine. A
+policy is named by a spec: `builtin:<size>` or the path of a local Hugging Face model directory.
+Invariants: nothing is ever downloaded (anything else is a `UsageError`), and the same size and
+seed give bit-identical weights without touching the caller's RNG.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -48,8 +48,8 @@ BUILTIN_PREFIX = "builtin:"
 
 _MAX_POSITIONS = 256
 
-# Qwen2Config keyword arguments per size. Parameter counts with the 104-token vocabulary
-# (embeddings tied): tiny 801,920; small 3,964,160; base 12,092,416.
+# Qwen2Config keyword arguments per size. Parameter counts with the 109-token vocabulary
+# (embeddings tied): tiny 802,560; small 3,965,440; base 12,094,336.
 BUILTIN_SIZES: dict[str, dict[str, int]] = {
     "tiny": {
         "hidden_size": 128,
@@ -85,26 +85,31 @@ _PAD, _IM_START, _IM_END, _EOT, _UNK = (
     "<|unk|>",
 )
 # Special tokens take ids 0..4 in this order; characters follow ("\n" is 5, " " is 6, "~" is 100);
-# the role tokens come last (101..103).
+# then the role tokens (101..104) and the tool-call pieces (105..108).
 _SPECIAL_TOKENS = (_PAD, _IM_START, _IM_END, _EOT, _UNK)
 _CHARACTERS = ("\n", *(chr(c) for c in range(32, 127)))
-_ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+_ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
+# The fixed text of every call in the tool-call format (`workflows.tool_calls`), one token each:
+# `<tool_call>{"name": "calc", "arguments": {"expr": "3*7"}}</tool_call>` is 24 tokens, not 69.
+# Qwen's tokenizer likewise has the two markers as tokens and spends a few BPE tokens on each
+# JSON piece. They are ordinary (not special) tokens: decoding keeps them, so a sampled call
+# reads back as text, and a reply spelled in single characters decodes to the same text.
+_TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>", '{"name": "', '", "arguments": ')
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
-# A compact ChatML: the three common roles are one token each (sequences are characters, so
-# "<|im_start|>assistant\n" would cost 11 tokens of every prompt); other roles (`tool`) use
-# ChatML's form. `tools` given to `apply_chat_template` open the prompt as a system message, one
-# JSON schema a line. Tool calls are plain text in the assistant's content (format:
-# workflows/tool_calls.py), so a re-rendered conversation extends the previous prompt plus the
-# sampled tokens exactly.
+# A compact ChatML: the four common roles are one token each (sequences are characters, so
+# "<|im_start|>assistant\n" would cost 11 tokens of every prompt); other roles use ChatML's form.
+# `tools` given to `apply_chat_template` open the prompt as a system message, one JSON schema a
+# line. Tool calls are plain text in the assistant's content (format: workflows/tool_calls.py),
+# so a re-rendered conversation extends the previous prompt plus the sampled reply's text.
 _CHAT_TEMPLATE = (
     "{% if tools %}<|system|>{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>"
     "{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] in ['system', 'user', 'assistant'] %}<|{{ message['role'] }}|>"
+    "{% if message['role'] in ['system', 'user', 'assistant', 'tool'] %}<|{{ message['role'] }}|>"
     "{% else %}<|im_start|>{{ message['role'] }}\n{% endif %}"
     "{{ message['content'] }}<|im_end|>"
     "{% endfor %}"
@@ -130,8 +135,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     """The character-level tokenizer of every built-in model, with its ChatML chat template.
 
     One token per character of printable ASCII and newline, no BOS added, `<|unk|>` for any
-    other character; eos is `<|im_end|>`, pad is `<|pad|>`. Special-token text inside a string
-    (say `"<|im_end|>"`) encodes to the special token, as in Qwen's tokenizer.
+    other character; eos is `<|im_end|>`, pad is `<|pad|>`. The tool-call format's fixed pieces
+    (`<tool_call>`, `</tool_call>`, `{"name": "`, `", "arguments": `) are one token each.
+    Special-token text inside a string (say `"<|im_end|>"`) encodes to the special token, as in
+    Qwen's tokenizer.
 
     Vocabulary entries are spelled in the byte-level alphabet of Qwen's BPE (" " is "Ġ", "\n" is
     "Ċ"): transformers 5's `AutoTokenizer` ignores the saved pipeline of a `qwen2` model directory
@@ -149,6 +156,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([*_SPECIAL_TOKENS, *_ROLE_TOKENS])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in _TOOL_CALL_TOKENS])
     tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=backend,
         pad_token=_PAD,

@@ -1,7 +1,7 @@
 """`CountdownToolAgent`: countdown with a calculator the policy uses to check its candidates.
 
 Each turn the policy either answers (`3 7 12 -> 33` -> `3*7+12`) or checks a candidate with
-`calc` (`<tool_call>{"name":"calc","arguments":{"expr":"3*7+12"}}</tool_call>`, written by
+`calc` (`<tool_call>{"name": "calc", "arguments": {"expr": "3*7+12"}}</tool_call>`, written by
 `tool_call`) and reads its exact value in a tool message. A check that hits the target solves the
 episode at once; a miss leaves the policy another turn to try again, with the value it read.
 Every attempt, checked or answered, is scored like the single-turn `CountdownWorkflow`'s answer
@@ -57,8 +57,9 @@ def calc_result(expr: str) -> str:
 
 
 def tool_call(expr: str) -> str:
-    """The reply that calls `calc` on `expr`, in the tool-call format (compact JSON)."""
-    body = json.dumps({"name": "calc", "arguments": {"expr": expr}}, separators=(",", ":"))
+    """The reply that calls `calc` on `expr`, in the tool-call format (Qwen's JSON spacing, whose
+    fixed pieces the built-in tokenizer spells as one token each)."""
+    body = json.dumps({"name": "calc", "arguments": {"expr": expr}})
     return f"{TOOL_CALL_START}{body}{TOOL_CALL_END}"
 
 

@@ -328,6 +328,39 @@ async def test_truncated_is_weights_a_hand_made_mixed_version_batch() -> None:
     await backend.shutdown()
 
 
+async def test_a_trajectorys_calls_weigh_as_one_sequence_across_micro_batches() -> None:
+    """`seq_mean_token_mean` over a two-call and a one-call trajectory: the same gradient whether
+    the calls share a micro-batch or not, and the value of weighting each trajectory once."""
+    grads = []
+    for micro_batch in (64, 1):
+        config = load_config(
+            {
+                "workflow": "examples.countdown.workflow:CountdownWorkflow",
+                "model": "builtin:tiny",
+                "trainer": {"lr": 1e-3, "entropy_coef": 0.0, "kl_coef": 0.0},
+                "local": {"loss_agg": "seq_mean_token_mean", "micro_batch": micro_batch},
+            }
+        )
+        backend = await started(config)
+        first, second, alone = [await sample(backend, p, i) for i, p in enumerate(PROMPTS[:3])]
+        two_calls = Trajectory(steps=[Step(output=first), Step(output=second)], reward=1.0)
+        one_call = Trajectory(steps=[Step(output=alone)], reward=0.0)
+        episodes = [
+            Episode(task_id="t", rollout_index=i, trajectories=[t])
+            for i, t in enumerate([two_calls, one_call])
+        ]
+        group = TrajectoryGroup(
+            task_id="t", episodes=episodes, advantages=[1.0, -1.0], policy_version=0
+        )
+        metrics = await backend.forward_backward([group])
+        # At ratio 1 the ppo loss is -A per token: each trajectory's token mean is -A.
+        assert metrics["train/loss"] == pytest.approx(0.0, abs=1e-6), metrics
+        grads.append([p.grad.clone() for p in backend.model.parameters() if p.grad is not None])
+        await backend.shutdown()
+    for whole, split in zip(*grads, strict=True):
+        torch.testing.assert_close(whole, split, rtol=1e-4, atol=1e-7)
+
+
 def test_tis_cap_auto_is_on_in_async_mode_for_backends_that_honour_it() -> None:
     local = LocalBackend.capabilities
     assert resolve_tis_cap(async_config(), local) == DEFAULT_TIS_CAP

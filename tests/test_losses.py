@@ -85,6 +85,29 @@ def test_token_weights_aggregate_by_tokens_or_sequences() -> None:
     assert weights.tolist() == [0.5, 0.5, 0.25, 0.25, 0.25, 0.25] and norm == 2
 
 
+def test_the_model_calls_of_one_trajectory_aggregate_as_one_sequence() -> None:
+    # A trajectory of two calls (2 + 2 tokens) and one of a single call (4 tokens).
+    weights, norm = token_weights([2, 2, 4], "seq_mean_token_mean", sequences=[0, 0, 1])
+    assert weights.tolist() == [0.25] * 8 and norm == 2, "each trajectory weighs 1 in all"
+    weights, norm = token_weights([2, 2, 4], "seq_mean_token_sum", sequences=[0, 0, 1])
+    assert weights.tolist() == [1.0] * 8 and norm == 2, "normalised by trajectories, not calls"
+    weights, norm = token_weights([2, 2, 4], "token_mean", sequences=[0, 0, 1])
+    assert weights.tolist() == [1.0] * 8 and norm == 8
+
+
+def test_per_trajectory_weights_cancel_a_groups_advantages_however_long_its_episodes() -> None:
+    # A solved episode ends after one call, a failed one runs three: with advantages +1 and -1
+    # the trajectory weighting nets zero, the token mean pushes down on balance.
+    lengths, sequences, advantages = [10, 10, 10, 10], [0, 1, 1, 1], [1.0, -1.0, -1.0, -1.0]
+    per_token = torch.tensor(
+        [a for a, n in zip(advantages, lengths, strict=True) for _ in range(n)]
+    )
+    weights, _ = token_weights(lengths, "seq_mean_token_mean", sequences)
+    assert float((weights * per_token).sum()) == pytest.approx(0.0, abs=1e-6)
+    weights, _ = token_weights(lengths, "token_mean", sequences)
+    assert float((weights * per_token).sum()) == -20.0
+
+
 @pytest.mark.parametrize("loss", ["importance_sampling", "ppo", "cispo"])
 def test_truncated_is_gives_every_policy_loss_the_capped_policy_gradient(loss: str) -> None:
     theta = torch.tensor([0.3, -0.2, 0.5, 0.0], dtype=torch.float64, requires_grad=True)

@@ -185,20 +185,24 @@ class LocalBackend(BackendProtocol):
     # -- training -----------------------------------------------------------------------------
 
     def _forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        samples = [
-            _Sample(
-                s.output.prompt_ids,
-                s.output.completion_ids,
-                s.output.logprobs,
-                adv,
-                self._scoring_temperature(s.output.temperature),
-            )
+        samples: list[_Sample] = []
+        sequences: list[int] = []  # the trajectory of each sample: one sequence for `loss_agg`
+        trajectories = (
+            (trajectory, adv)
             for g in groups
             for episode, adv in zip(g.episodes, g.advantages, strict=True)
             for trajectory in episode.trajectories
-            for s in trajectory.steps
-            if s.output.completion_ids
-        ]
+        )
+        for index, (trajectory, adv) in enumerate(trajectories):
+            for out in (step.output for step in trajectory.steps):
+                if out.completion_ids:
+                    temperature = self._scoring_temperature(out.temperature)
+                    samples.append(
+                        _Sample(out.prompt_ids, out.completion_ids, out.logprobs, adv, temperature)
+                    )
+                    sequences.append(index)
+        lengths = [len(s.completion) for s in samples]
+        weights_T, step_norm = token_weights(lengths, self.settings.loss_agg, sequences)
         totals = {
             "loss": 0.0,
             "kl": 0.0,
@@ -209,10 +213,12 @@ class LocalBackend(BackendProtocol):
             "is_capped": 0.0,
             "tokens": 0.0,
         }
-        step_norm = 0.0
+        offset = 0
         for start in range(0, len(samples), self.settings.micro_batch):
             chunk = samples[start : start + self.settings.micro_batch]
-            step_norm += self._backward_chunk(chunk, totals)
+            n = sum(lengths[start : start + self.settings.micro_batch])
+            self._backward_chunk(chunk, weights_T[offset : offset + n], totals)
+            offset += n
         self._grad_norm_denominator += step_norm
         self._loss_finite = self._loss_finite and math.isfinite(totals["loss"])
         n = max(1.0, totals["tokens"])
@@ -228,9 +234,11 @@ class LocalBackend(BackendProtocol):
             metrics["train/is_clipped_frac"] = totals["is_capped"] / n
         return metrics
 
-    def _backward_chunk(self, chunk: list[_Sample], totals: dict[str, float]) -> float:
+    def _backward_chunk(
+        self, chunk: list[_Sample], weights_T: torch.Tensor, totals: dict[str, float]
+    ) -> None:
         t = self.config.trainer
-        logp_T, entropy_T, lengths = self._score(self.model, chunk, with_entropy=True)
+        logp_T, entropy_T, _ = self._score(self.model, chunk, with_entropy=True)
         old_T = torch.tensor([lp for s in chunk for lp in s.old_logprobs], device=self.device)
         adv_T = torch.tensor([s.advantage for s in chunk for _ in s.completion], device=self.device)
         terms = per_token_loss(
@@ -243,7 +251,6 @@ class LocalBackend(BackendProtocol):
             loss_T = loss_T + t.kl_coef * kl_penalty(logp_T, ref_T)
         if t.entropy_coef > 0:
             loss_T = loss_T - t.entropy_coef * entropy_T
-        weights_T, norm = token_weights(lengths, self.settings.loss_agg)
         weighted = (loss_T * weights_T.to(self.device)).sum()
         weighted.backward()  # type: ignore[no-untyped-call]
         totals["loss"] += float(weighted.detach())
@@ -255,7 +262,6 @@ class LocalBackend(BackendProtocol):
             totals["is_weight"] += float(terms.is_weight_T.sum())
             totals["is_capped"] += float(terms.is_capped_T.sum())
         totals["tokens"] += float(len(logp_T))
-        return norm
 
     def _scoring_temperature(self, sampled_at: float | None) -> float:
         """Score at the temperature the logprobs were sampled under; plain likelihood for SFT."""

@@ -104,20 +104,42 @@ def kl_penalty(logp_T: torch.Tensor, ref_logp_T: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio_T) - log_ratio_T - 1
 
 
-def token_weights(lengths: list[int], mode: LossAggregation) -> tuple[torch.Tensor, float]:
-    """Per-token weights of a batch of sequences and the batch's normaliser contribution.
+def token_weights(
+    lengths: list[int], mode: LossAggregation, sequences: list[int] | None = None
+) -> tuple[torch.Tensor, float]:
+    """Per-token weights of a batch of samples and the batch's normaliser.
+
+    `lengths[i]` counts sample i's completion tokens; `sequences[i]` names the sequence it belongs
+    to (default: its own). The `seq_mean_*` modes weight sequences, not samples, equally: give the
+    model calls of one trajectory one sequence id, as verl's and Tinker's merged multi-turn rows
+    do. Otherwise an episode that fails through three turns outweighs one solved in one, and a
+    group's advantages, which sum to zero, push its sampled tokens down on balance.
 
     The backend sums `weight * loss` over every token of every `forward_backward` call and
     divides the gradient by the summed normaliser at `optim_step`, so the aggregate is exact
     however a step's groups were split across calls.
     """
+    if sequences is None:
+        sequences = list(range(len(lengths)))
+    if len(sequences) != len(lengths):
+        raise ValueError(f"{len(sequences)} sequence ids for {len(lengths)} samples")
+    totals: dict[int, int] = {}
+    for sequence, n in zip(sequences, lengths, strict=True):
+        totals[sequence] = totals.get(sequence, 0) + n
     if mode == "token_mean":
         weights = [torch.ones(n) for n in lengths]
-        return torch.cat(weights), float(sum(lengths))
+        return _cat(weights), float(sum(lengths))
     if mode == "seq_mean_token_mean":
-        weights = [torch.full((n,), 1.0 / max(1, n)) for n in lengths]
-        return torch.cat(weights), float(len(lengths))
+        weights = [
+            torch.full((n,), 1.0 / max(1, totals[sequence]))
+            for sequence, n in zip(sequences, lengths, strict=True)
+        ]
+        return _cat(weights), float(len(totals))
     if mode == "seq_mean_token_sum":
         weights = [torch.ones(n) for n in lengths]
-        return torch.cat(weights), float(len(lengths))
+        return _cat(weights), float(len(totals))
     raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def _cat(weights: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(weights) if weights else torch.zeros(0)

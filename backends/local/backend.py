@@ -52,7 +52,10 @@ class LocalConfig(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's).")
     max_batch: int = Field(64, ge=1, description="Most requests the sampler batches together.")
     micro_batch: int = Field(64, ge=1, description="Sequences per training forward pass.")
-    loss_agg: LossAggregation = Field("token_mean", description="How token losses aggregate.")
+    loss_agg: LossAggregation = Field(
+        "token_mean",
+        description="How token losses aggregate; seq_mean_* weigh each trajectory once.",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")

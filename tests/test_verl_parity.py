@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn
+from verl.trainer.ppo.core_algos import kl_penalty as verl_kl_penalty
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
@@ -130,6 +131,23 @@ def test_local_loss_equals_verls_loss_in_value_and_gradient(
     assert float(ours) == pytest.approx(float(theirs), rel=1e-6), "loss value"
     assert ours_logp.grad is not None and theirs_logp.grad is not None
     torch.testing.assert_close(ours_logp.grad, theirs_logp.grad, msg="loss gradient")
+
+
+def test_kl_penalty_equals_verls_low_var_kl_with_its_clamps() -> None:
+    """Far from the reference the k3 gradient grows as exp(ref - logp); both clamp it alike."""
+    log_ratios = torch.tensor([-30.0, -3.0, -0.1, 0.0, 0.1, 2.0, 2.6, 3.0, 8.0, 30.0])
+    ref = torch.full_like(log_ratios, -1.0, dtype=torch.float64)
+    ours_logp = (ref - log_ratios.double()).requires_grad_(True)
+    theirs_logp = ours_logp.detach().clone().requires_grad_(True)
+    ours = kl_penalty(ours_logp, ref)
+    theirs = verl_kl_penalty(theirs_logp, ref, "low_var_kl")
+    torch.testing.assert_close(ours, theirs)
+    assert float(ours.max()) == 10.0, "clamped"
+    ours.sum().backward()
+    theirs.sum().backward()
+    assert ours_logp.grad is not None and theirs_logp.grad is not None
+    torch.testing.assert_close(ours_logp.grad, theirs_logp.grad)
+    assert float(ours_logp.grad.abs().max()) < 15.0, "no token's KL gradient explodes"
 
 
 def test_entropy_bonus_aggregates_like_verls() -> None:

@@ -98,10 +98,20 @@ def per_token_loss(
     )
 
 
+KL_LOG_RATIO_CLAMP = 20.0
+KL_CLAMP = 10.0
+
+
 def kl_penalty(logp_T: torch.Tensor, ref_logp_T: torch.Tensor) -> torch.Tensor:
-    """k3(ref || train) per token: exp(ref - logp) - (ref - logp) - 1, >= 0, unbiased for KL."""
-    log_ratio_T = ref_logp_T - logp_T
-    return torch.exp(log_ratio_T) - log_ratio_T - 1
+    """k3(ref || train) per token: exp(ref - logp) - (ref - logp) - 1, >= 0, unbiased for KL.
+
+    Clamped as verl's `low_var_kl` is (log ratio to +-20, value to at most 10): a sampled token
+    the policy has made far less likely than the reference does would otherwise weigh
+    exp(ref - logp) in the gradient, thousands of times a policy-gradient token's, and one
+    such token a step swamps the update (grad norms of 10-200 before clipping).
+    """
+    log_ratio_T = (ref_logp_T - logp_T).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+    return (torch.exp(log_ratio_T) - log_ratio_T - 1).clamp(max=KL_CLAMP)
 
 
 def token_weights(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -379,3 +380,27 @@ def test_backends_without_truncated_is_refuse_a_tis_cap_and_turn_auto_off(spec: 
         check_capabilities(async_config(trainer={"tis_cap": 2}), backend)
     check_capabilities(async_config(), backend)  # auto: accepted, and off
     assert resolve_tis_cap(async_config(), backend.capabilities) is None
+
+
+@pytest.mark.parametrize("kl_clamp", [None, 10.0])
+async def test_local_kl_clamp_reaches_the_kl_term(
+    monkeypatch: pytest.MonkeyPatch, kl_clamp: float | None
+) -> None:
+    """The math of both forms is checked against verl's in test_verl_parity.py."""
+    from backends.local import backend as backend_module
+    from backends.local.losses import kl_penalty
+
+    clamps = []
+
+    def recording(logp_T: torch.Tensor, ref_T: torch.Tensor, clamp: float | None) -> torch.Tensor:
+        clamps.append(clamp)
+        return kl_penalty(logp_T, ref_T, clamp)
+
+    monkeypatch.setattr(backend_module, "kl_penalty", recording)
+    config = local_config(kl_coef=0.1).model_copy(update={"local": {"kl_clamp": kl_clamp}})
+    backend = await started(config)
+    metrics = await backend.forward_backward(
+        [group_of([await sample(backend, PROMPTS[0], 0)], [1.0])]
+    )
+    assert clamps == [kl_clamp] and math.isfinite(metrics["train/loss"])
+    await backend.shutdown()

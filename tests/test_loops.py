@@ -199,7 +199,7 @@ def test_every_dispatched_group_ends_once_with_filtering_and_errors(
 
     config = make_config(
         mode="async",
-        # A slow learner: a policy collapsed onto one arm would leave only filtered or failed groups.
+        # A slow learner: a policy collapsed onto one arm leaves only filtered or failed groups.
         trainer={"total_steps": 8, "max_error_rate": 0.5, "group_size": 2, "lr": 0.1},
         async_={"max_staleness": 2},
     )

@@ -133,21 +133,40 @@ def test_local_loss_equals_verls_loss_in_value_and_gradient(
     torch.testing.assert_close(ours_logp.grad, theirs_logp.grad, msg="loss gradient")
 
 
-def test_kl_penalty_equals_verls_low_var_kl_with_its_clamps() -> None:
-    """Far from the reference the k3 gradient grows as exp(ref - logp); both clamp it alike."""
-    log_ratios = torch.tensor([-30.0, -3.0, -0.1, 0.0, 0.1, 2.0, 2.6, 3.0, 8.0, 30.0])
-    ref = torch.full_like(log_ratios, -1.0, dtype=torch.float64)
-    ours_logp = (ref - log_ratios.double()).requires_grad_(True)
-    theirs_logp = ours_logp.detach().clone().requires_grad_(True)
-    ours = kl_penalty(ours_logp, ref)
-    theirs = verl_kl_penalty(theirs_logp, ref, "low_var_kl")
+def kl_and_grad(
+    fn: Any, log_ratios: torch.Tensor, ref: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = (ref - log_ratios).requires_grad_(True)
+    value = fn(logp, ref)
+    value.sum().backward()
+    assert logp.grad is not None
+    return value.detach(), logp.grad
+
+
+KL_LOG_RATIOS = torch.tensor([-30.0, -3.0, -0.1, 0.0, 0.1, 2.0, 2.5, 3.0, 8.0, 30.0]).double()
+
+
+def test_kl_penalty_with_clamp_10_is_verls_low_var_kl() -> None:
+    ref = torch.full_like(KL_LOG_RATIOS, -1.0)
+    ours = kl_and_grad(lambda lp, r: kl_penalty(lp, r, clamp=10.0), KL_LOG_RATIOS, ref)
+    theirs = kl_and_grad(lambda lp, r: verl_kl_penalty(lp, r, "low_var_kl"), KL_LOG_RATIOS, ref)
     torch.testing.assert_close(ours, theirs)
-    assert float(ours.max()) == 10.0, "clamped"
-    ours.sum().backward()
-    theirs.sum().backward()
-    assert ours_logp.grad is not None and theirs_logp.grad is not None
-    torch.testing.assert_close(ours_logp.grad, theirs_logp.grad)
-    assert float(ours_logp.grad.abs().max()) < 15.0, "no token's KL gradient explodes"
+    assert float(ours[0].max()) == 10.0 and float(ours[1].abs().max()) < 15.0, "bounded pull"
+
+
+def test_kl_penalty_unclamped_still_pulls_where_verls_clamp_stops() -> None:
+    """The default: verl's `low_var_kl` below its clamp; past ratio ~13 verl's pull is zero."""
+    ref = torch.full_like(KL_LOG_RATIOS, -1.0)
+    ours, ours_grad = kl_and_grad(kl_penalty, KL_LOG_RATIOS, ref)
+    theirs, theirs_grad = kl_and_grad(
+        lambda lp, r: verl_kl_penalty(lp, r, "low_var_kl"), KL_LOG_RATIOS, ref
+    )
+    below = (KL_LOG_RATIOS <= 2.5) & (KL_LOG_RATIOS > -20)
+    above = (KL_LOG_RATIOS > 2.5) & (KL_LOG_RATIOS <= 20)
+    torch.testing.assert_close(ours[below], theirs[below])
+    torch.testing.assert_close(ours_grad[below], theirs_grad[below])
+    assert torch.all(theirs_grad[above] == 0.0)
+    assert torch.all(ours[above] > 10.0) and torch.all(ours_grad[above] < -10.0)
 
 
 def test_entropy_bonus_aggregates_like_verls() -> None:

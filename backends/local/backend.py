@@ -56,6 +56,11 @@ class LocalConfig(BaseModel):
         "token_mean",
         description="How token losses aggregate; seq_mean_* weigh each trajectory once.",
     )
+    kl_clamp: float | None = Field(
+        None,
+        gt=0,
+        description="Clamp of the KL term's value per token (10: verl's low_var_kl); null: none.",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
@@ -251,7 +256,7 @@ class LocalBackend(BackendProtocol):
         if self.reference is not None and t.kl_coef > 0:
             with torch.no_grad():
                 ref_T, _, _ = self._score(self.reference, chunk, with_entropy=False)
-            loss_T = loss_T + t.kl_coef * kl_penalty(logp_T, ref_T)
+            loss_T = loss_T + t.kl_coef * kl_penalty(logp_T, ref_T, self.settings.kl_clamp)
         if t.entropy_coef > 0:
             loss_T = loss_T - t.entropy_coef * entropy_T
         weighted = (loss_T * weights_T.to(self.device)).sum()

@@ -99,19 +99,24 @@ def per_token_loss(
 
 
 KL_LOG_RATIO_CLAMP = 20.0
-KL_CLAMP = 10.0
+"""With a value clamp, the log ratio is clamped to +-20 first, as verl's `low_var_kl` does."""
 
 
-def kl_penalty(logp_T: torch.Tensor, ref_logp_T: torch.Tensor) -> torch.Tensor:
+def kl_penalty(
+    logp_T: torch.Tensor, ref_logp_T: torch.Tensor, clamp: float | None = None
+) -> torch.Tensor:
     """k3(ref || train) per token: exp(ref - logp) - (ref - logp) - 1, >= 0, unbiased for KL.
 
-    Clamped as verl's `low_var_kl` is (log ratio to +-20, value to at most 10): a sampled token
-    the policy has made far less likely than the reference does would otherwise weigh
-    exp(ref - logp) in the gradient, thousands of times a policy-gradient token's, and one
-    such token a step swamps the update (grad norms of 10-200 before clipping).
+    `clamp=10` is verl's `low_var_kl` (log ratio to +-20, value to at most 10): no token's pull
+    exceeds ~13 times a policy-gradient token's, but past that ratio the pull back to the
+    reference stops. Unclamped (default), the single-turn countdown keeps its entropy; clamped,
+    it collapses onto one answer, while the tool agent keeps its format (docs/benchmarks.md).
     """
-    log_ratio_T = (ref_logp_T - logp_T).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
-    return (torch.exp(log_ratio_T) - log_ratio_T - 1).clamp(max=KL_CLAMP)
+    log_ratio_T = ref_logp_T - logp_T
+    if clamp is None:
+        return torch.exp(log_ratio_T) - log_ratio_T - 1
+    log_ratio_T = log_ratio_T.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+    return (torch.exp(log_ratio_T) - log_ratio_T - 1).clamp(max=clamp)
 
 
 def token_weights(

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from backends.local.backend import LocalBackend, _Sample
+from backends.local.backend import LocalBackend, _Row
 from backends.local.builtin import build_tokenizer, chat_prompt_ids
 from tests.bandit import BanditBackend, BanditEngine
 from unified.config import load_config
@@ -64,10 +64,10 @@ class ScriptedEngine(RolloutEngine):
         )
 
 
-async def local_loss_samples(
+async def local_loss_rows(
     group: TrajectoryGroup,
-) -> tuple[list[_Sample], torch.Tensor, torch.nn.Module]:
-    """What the local backend's loss scores for `group`: its samples, their logprobs, the model.
+) -> tuple[list[_Row], torch.Tensor, torch.nn.Module]:
+    """What the local backend's loss scores for `group`: its rows, their logprobs, the model.
 
     One `forward_backward` on a fresh `builtin:tiny` backend, with its scoring function spied on.
     """
@@ -77,10 +77,10 @@ async def local_loss_samples(
          "trainer": {"loss": "importance_sampling"}}
     )  # fmt: skip
     await backend.setup(config)
-    scored: list[tuple[list[_Sample], torch.Tensor]] = []
+    scored: list[tuple[list[_Row], torch.Tensor]] = []
     score = backend._score
 
-    def spy(model: torch.nn.Module, chunk: list[_Sample], **kw: Any) -> Any:
+    def spy(model: torch.nn.Module, chunk: list[_Row], **kw: Any) -> Any:
         result = score(model, chunk, **kw)
         scored.append((chunk, result[0].detach()))
         return result

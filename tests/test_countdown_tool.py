@@ -10,7 +10,7 @@ from backends.tinker.datums import group_sequences
 from examples.countdown.reward import parse_expression
 from examples.countdown.tool_agent import ANSWER_TOKENS, CountdownToolAgent, calc, tool_call
 from examples.countdown.warmstart import tool_warmstart_examples, warmstart_examples
-from tests.agents import ScriptedEngine, local_loss_samples
+from tests.agents import ScriptedEngine, local_loss_rows
 from tests.conftest import ConfigFactory
 from unified.evaluation import tool_call_metrics
 from unified.trainer import UnifiedTrainer
@@ -127,8 +127,9 @@ async def test_calc_tokens_never_train() -> None:
     (sequence,) = group_sequences([group_of(trajectory)])
     sampled = [t for t, s in zip(sequence.tokens, sequence.sampled, strict=True) if s]
     assert sampled == first.completion_ids + second.completion_ids, "tinker: model tokens only"
-    samples, logp_T, _ = await local_loss_samples(group_of(trajectory))
-    assert [s.completion for s in samples] == [first.completion_ids, second.completion_ids]
+    (row,), logp_T, _ = await local_loss_rows(group_of(trajectory))
+    assert [s.completion for s in row.samples] == [first.completion_ids, second.completion_ids]
+    assert row.ids == second.prompt_ids + second.completion_ids, "both turns, one forward pass"
     assert logp_T.numel() == len(first.completion_ids) + len(second.completion_ids)
     tool_ids = engine.tokenizer.encode("<|tool|>22<|im_end|>")
     observation = second.prompt_ids[len(first.prompt_ids) + len(first.completion_ids) :]

@@ -67,11 +67,11 @@ def group_of(outputs: list[ModelOutput], advantages: list[float]) -> TrajectoryG
 async def test_sampler_logprobs_equal_the_trainer_recomputed_logprobs() -> None:
     backend = await started()
     outputs = await asyncio.gather(*[sample(backend, p, i) for i, p in enumerate(PROMPTS)])
-    from backends.local.backend import _Sample
+    from backends.local.backend import _Row, _Sample
 
-    samples = [_Sample(o.prompt_ids, o.completion_ids, o.logprobs, 0.0) for o in outputs]
+    rows = [_Row(_Sample(o.prompt_ids, o.completion_ids, o.logprobs, 0.0)) for o in outputs]
     with torch.no_grad():
-        recomputed, _, _ = backend._score(backend.model, samples, with_entropy=False)
+        recomputed, _ = backend._score(backend.model, rows, with_entropy=False)
     sampled = torch.tensor([lp for o in outputs for lp in o.logprobs])
     assert (recomputed - sampled).abs().max().item() < 1e-5
     await backend.shutdown()
@@ -318,10 +318,10 @@ async def test_truncated_is_weights_a_hand_made_mixed_version_batch() -> None:
     assert metrics["train/is_clipped_frac"] == pytest.approx(2 / n)
     assert metrics["train/ratio_mean"] == pytest.approx(ratio.mean().item(), rel=1e-4)
     # The gradient is the capped-weight policy gradient -sum(w * A * grad logp).
-    from backends.local.backend import _Sample
+    from backends.local.backend import _Row, _Sample
 
-    chunk = [_Sample(stale.prompt_ids, stale.completion_ids, stale.logprobs, 1.5)]
-    logp, _, _ = backend._score(reference, chunk, with_entropy=False)
+    chunk = [_Row(_Sample(stale.prompt_ids, stale.completion_ids, stale.logprobs, 1.5))]
+    logp, _ = backend._score(reference, chunk, with_entropy=False)
     (-(weight.float() * 1.5 * logp).sum()).backward()
     for (name, p), q in zip(backend.model.named_parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None, name

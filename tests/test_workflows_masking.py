@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
+from backends.local.backend import LocalBackend, _Row, _Sample
 from backends.tinker.datums import group_sequences, to_datum
-from tests.agents import ScriptedEngine, local_loss_samples
+from tests.agents import ScriptedEngine, local_loss_rows
+from unified.config import load_config
 from unified.types import Episode, Task, Trajectory, TrajectoryGroup
 from workflows.tools import ToolWorkflow
 
@@ -84,9 +87,12 @@ async def test_tinker_datums_weigh_only_the_model_tokens_of_a_merged_tool_episod
 
 async def test_the_local_loss_scores_exactly_each_steps_completion_tokens_in_context() -> None:
     trajectory, _ = await tool_episode()
-    chunk, logp_T, model = await local_loss_samples(group_of(trajectory))
+    chunk, logp_T, model = await local_loss_rows(group_of(trajectory))
     steps = [step.output for step in trajectory.steps]
-    assert [s.completion for s in chunk] == [o.completion_ids for o in steps], "targets"
+    assert [s.completion for row in chunk for s in row.samples] == [
+        o.completion_ids for o in steps
+    ], "targets"
+    assert len(chunk) == 1, "each turn's prompt extends the last: one row, prefixes not re-scored"
     assert logp_T.numel() == sum(len(o.completion_ids) for o in steps), "no tool token in the loss"
     # Aligned: the second turn's logprobs equal those of its tokens in one forward pass over the
     # whole episode (prompt, first reply, tool result, second reply).
@@ -97,3 +103,62 @@ async def test_the_local_loss_scores_exactly_each_steps_completion_tokens_in_con
     expected = torch.log_softmax(logits[start - 1 : len(full) - 1].float(), -1)
     expected = expected.gather(1, torch.tensor(full[start:])[:, None])[:, 0]
     assert torch.allclose(logp_T[-len(expected) :], expected, atol=1e-5)
+
+
+async def test_scoring_a_trajectorys_turns_in_one_row_trains_exactly_as_scoring_them_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One forward pass per multi-turn trajectory is a saving, not a new objective: the loss,
+    its metrics and every gradient equal those of one pass per turn."""
+    trajectory, _ = await tool_episode()
+    solved = group_of(trajectory, advantage=1.5)
+    group = TrajectoryGroup(
+        task_id="t",
+        episodes=[*solved.episodes, *solved.episodes],
+        advantages=[1.5, -0.5],
+        policy_version=0,
+    )
+    config = load_config(
+        {"workflow": "tests.agents:LookupBanditWorkflow", "model": "builtin:tiny",
+         "trainer": {"kl_coef": 0.1, "entropy_coef": 0.02},
+         "local": {"loss_agg": "seq_mean_token_mean"}}
+    )  # fmt: skip
+
+    async def gradients() -> tuple[dict[str, float], list[torch.Tensor], int]:
+        backend = LocalBackend()
+        await backend.setup(config)
+        forward = backend.model.forward
+        passes = 0
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal passes
+            passes += kwargs["input_ids"].shape[0]
+            return forward(*args, **kwargs)
+
+        backend.model.forward = counted  # type: ignore[method-assign]
+        try:
+            metrics = await backend.forward_backward([group])
+            grads = [p.grad.clone() for p in backend.model.parameters() if p.grad is not None]
+        finally:
+            await backend.shutdown()
+        return metrics, grads, passes
+
+    merged, merged_grads, merged_rows = await gradients()
+    monkeypatch.setattr(_Row, "extend", lambda self, sample: False)
+    apart, apart_grads, apart_rows = await gradients()
+    assert (merged_rows, apart_rows) == (2, 4), "two episodes of two turns: 2 rows, or 4 apart"
+    assert merged.keys() == apart.keys()
+    for key in merged:
+        assert merged[key] == pytest.approx(apart[key], rel=1e-5, abs=1e-7), key
+    assert len(merged_grads) == len(apart_grads) > 0
+    for a, b in zip(merged_grads, apart_grads, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_a_turn_whose_prompt_rewrites_the_history_starts_a_new_row() -> None:
+    first = _Sample([1, 2, 3], [4, 5], [-1.0, -1.0], 1.0)
+    row = _Row(first)
+    assert not row.extend(_Sample([1, 2, 9, 4, 5, 6], [7], [-1.0], 1.0)), "token 3 rewritten"
+    assert (row.ids, row.starts) == ([1, 2, 3, 4, 5], [3]), "a refused sample leaves it as it was"
+    assert row.extend(_Sample([1, 2, 3, 4, 5, 6], [7, 8], [-1.0, -1.0], 1.0))
+    assert (row.ids, row.starts, row.tokens) == ([1, 2, 3, 4, 5, 6, 7, 8], [3, 6], 4)

@@ -84,6 +84,32 @@ class _Sample:
         self.advantage, self.temperature = adv, temperature
 
 
+class _Row:
+    """One forward sequence: a trajectory's model calls, each prompt extending the last call's
+    prompt and completion, scored in one pass (a multi-turn episode costs its length, not the
+    sum of its prompts). `starts[k]` is where `samples[k]`'s completion begins in `ids`."""
+
+    __slots__ = ("ids", "samples", "starts")
+
+    def __init__(self, sample: _Sample) -> None:
+        self.ids = sample.prompt + sample.completion
+        self.samples, self.starts = [sample], [len(sample.prompt)]
+
+    def extend(self, sample: _Sample) -> bool:
+        """Append `sample` if its prompt continues this row's tokens; False (unchanged) if not."""
+        if sample.prompt[: len(self.ids)] != self.ids:
+            return False
+        self.ids = sample.prompt + sample.completion
+        self.samples.append(sample)
+        self.starts.append(len(sample.prompt))
+        return True
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens scored in this row."""
+        return sum(len(s.completion) for s in self.samples)
+
+
 class SamplerHost(Protocol):
     """What `LocalEngine` samples through: a tokenizer and a `BatchingSampler` (local, verl)."""
 
@@ -195,6 +221,7 @@ class LocalBackend(BackendProtocol):
     def _forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         samples: list[_Sample] = []
         sequences: list[int] = []  # the trajectory of each sample: one sequence for `loss_agg`
+        rows: list[_Row] = []  # in sample order, so the rows' tokens line up with `weights_T`
         trajectories = (
             (trajectory, adv)
             for g in groups
@@ -202,13 +229,17 @@ class LocalBackend(BackendProtocol):
             for trajectory in episode.trajectories
         )
         for index, (trajectory, adv) in enumerate(trajectories):
+            first = len(rows)
             for out in (step.output for step in trajectory.steps):
                 if out.completion_ids:
                     temperature = self._scoring_temperature(out.temperature)
-                    samples.append(
-                        _Sample(out.prompt_ids, out.completion_ids, out.logprobs, adv, temperature)
+                    sample = _Sample(
+                        out.prompt_ids, out.completion_ids, out.logprobs, adv, temperature
                     )
+                    samples.append(sample)
                     sequences.append(index)
+                    if len(rows) == first or not rows[-1].extend(sample):
+                        rows.append(_Row(sample))
         lengths = [len(s.completion) for s in samples]
         weights_T, step_norm = token_weights(lengths, self.settings.loss_agg, sequences)
         totals = {
@@ -222,9 +253,9 @@ class LocalBackend(BackendProtocol):
             "tokens": 0.0,
         }
         offset = 0
-        for start in range(0, len(samples), self.settings.micro_batch):
-            chunk = samples[start : start + self.settings.micro_batch]
-            n = sum(lengths[start : start + self.settings.micro_batch])
+        for start in range(0, len(rows), self.settings.micro_batch):
+            chunk = rows[start : start + self.settings.micro_batch]
+            n = sum(row.tokens for row in chunk)
             self._backward_chunk(chunk, weights_T[offset : offset + n], totals)
             offset += n
         self._grad_norm_denominator += step_norm
@@ -243,19 +274,22 @@ class LocalBackend(BackendProtocol):
         return metrics
 
     def _backward_chunk(
-        self, chunk: list[_Sample], weights_T: torch.Tensor, totals: dict[str, float]
+        self, chunk: list[_Row], weights_T: torch.Tensor, totals: dict[str, float]
     ) -> None:
         t = self.config.trainer
-        logp_T, entropy_T, _ = self._score(self.model, chunk, with_entropy=True)
-        old_T = torch.tensor([lp for s in chunk for lp in s.old_logprobs], device=self.device)
-        adv_T = torch.tensor([s.advantage for s in chunk for _ in s.completion], device=self.device)
+        logp_T, entropy_T = self._score(self.model, chunk, with_entropy=True)
+        samples = [s for row in chunk for s in row.samples]
+        old_T = torch.tensor([lp for s in samples for lp in s.old_logprobs], device=self.device)
+        adv_T = torch.tensor(
+            [s.advantage for s in samples for _ in s.completion], device=self.device
+        )
         terms = per_token_loss(
             t.loss, logp_T, old_T, adv_T, clip_ratio=t.clip_ratio, tis_cap=self.tis_cap
         )
         loss_T = terms.loss_T
         if self.reference is not None and t.kl_coef > 0:
             with torch.no_grad():
-                ref_T, _, _ = self._score(self.reference, chunk, with_entropy=False)
+                ref_T, _ = self._score(self.reference, chunk, with_entropy=False)
             loss_T = loss_T + t.kl_coef * kl_penalty(logp_T, ref_T, self.settings.kl_clamp)
         if t.entropy_coef > 0:
             loss_T = loss_T - t.entropy_coef * entropy_T
@@ -279,31 +313,32 @@ class LocalBackend(BackendProtocol):
         return temperature if temperature > 0 else 1.0
 
     def _score(
-        self, model: torch.nn.Module, chunk: list[_Sample], *, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Log-probabilities (and entropies) of each sample's completion tokens, flattened."""
-        seqs = [s.prompt + s.completion for s in chunk]
-        width = max(len(q) for q in seqs)
+        self, model: torch.nn.Module, chunk: list[_Row], *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities (and entropies) of the rows' completion tokens, flattened in order."""
+        width = max(len(row.ids) for row in chunk)
         pad = self.tokenizer.pad_token_id or 0
-        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, q in enumerate(seqs):
-            ids[i, : len(q)] = torch.tensor(q)
-            mask[i, : len(q)] = 1
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for i, row in enumerate(chunk):
+            ids[i, : len(row.ids)] = torch.tensor(row.ids)
+            mask[i, : len(row.ids)] = 1
         logits = model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
         # One gather for every completion token of the chunk (row i, position p-1+j predicts
         # token j): per-sample slicing would add autograd nodes per sample.
-        lengths = [len(s.completion) for s in chunk]
-        rows_T = torch.tensor(
-            [i for i, n in enumerate(lengths) for _ in range(n)], dtype=torch.long
-        )
+        spans = [
+            (i, start, s)
+            for i, row in enumerate(chunk)
+            for start, s in zip(row.starts, row.samples, strict=True)
+        ]
+        rows_T = torch.tensor([i for i, _, s in spans for _ in s.completion], dtype=torch.long)
         positions_T = torch.tensor(
-            [len(s.prompt) - 1 + j for s in chunk for j in range(len(s.completion))],
+            [start - 1 + j for _, start, s in spans for j in range(len(s.completion))],
             dtype=torch.long,
         )
-        targets_T = torch.tensor([t for s in chunk for t in s.completion], device=self.device)
+        targets_T = torch.tensor([t for _, _, s in spans for t in s.completion], device=self.device)
         temperatures_T = torch.tensor(
-            [s.temperature for s in chunk for _ in s.completion], device=self.device
+            [s.temperature for _, _, s in spans for _ in s.completion], device=self.device
         )
         picked = logits[rows_T.to(self.device), positions_T.to(self.device)].float()
         log_probs = torch.log_softmax(picked / temperatures_T[:, None], -1)
@@ -312,7 +347,7 @@ class LocalBackend(BackendProtocol):
             entropy_T = -(log_probs.exp() * log_probs).sum(-1)
         else:
             entropy_T = torch.zeros_like(logp_T)
-        return logp_T, entropy_T, lengths
+        return logp_T, entropy_T
 
     def _optim_step(self) -> dict[str, float]:
         """AdamW on the accumulated gradients, unless the loss or gradient norm is NaN/inf: then

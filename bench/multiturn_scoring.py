@@ -25,13 +25,13 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends.local.backend import LocalBackend, _Row, _Sample
+from backends.local.backend import LocalBackend
 from examples.countdown.prepare import TOOL_WARMSTART_DIR, TOOL_WARMSTART_RECIPE, ensure_warmstart
 from examples.countdown.tasks import make_tasks
 from unified.advantages import compute_advantages
 from unified.config import load_config
 from unified.rollout import SamplingEngine, WorkflowDeadlines, resolve_workflow, run_episode
-from unified.types import Episode, TrajectoryGroup
+from unified.types import Episode, ModelOutput, Trajectory, TrajectoryGroup
 
 CONFIG = "examples/countdown/local_tool_async.yaml"
 
@@ -73,16 +73,9 @@ async def sample_groups(
     return groups
 
 
-def rows_of(groups: list[TrajectoryGroup]) -> list[_Row]:
-    """The rows the backend scores: each trajectory's calls, merged where prompts extend."""
-    rows: list[_Row] = []
-    for trajectory in (t for g in groups for e in g.episodes for t in e.trajectories):
-        first = len(rows)
-        for out in (s.output for s in trajectory.steps if s.output.completion_ids):
-            sample = _Sample(out.prompt_ids, out.completion_ids, out.logprobs, 0.0)
-            if len(rows) == first or not rows[-1].extend(sample):
-                rows.append(_Row(sample))
-    return rows
+def one_call_per_run(trajectory: Trajectory) -> list[list[ModelOutput]]:
+    """Each model call scored on its own, as before one-pass scoring."""
+    return [[step.output] for step in trajectory.steps if step.output.completion_ids]
 
 
 def time_pass(backend: LocalBackend, groups: list[TrajectoryGroup]) -> float:
@@ -117,12 +110,15 @@ def main() -> None:
     time_pass(backend, groups)  # warm-up
     for _ in range(args.rounds):
         times["one row per trajectory"].append(time_pass(backend, groups))
-        with mock.patch.object(_Row, "extend", lambda self, sample: False):
+        with mock.patch.object(Trajectory, "sequences", one_call_per_run):
             times["one row per turn"].append(time_pass(backend, groups))
     asyncio.run(backend.shutdown())
     medians = {k: statistics.median(v) for k, v in times.items()}
     per_turn = sum(len(o.prompt_ids) + len(o.completion_ids) for o in calls)
-    per_trajectory = sum(len(row.ids) for row in rows_of(groups))
+    runs = [
+        run for g in groups for e in g.episodes for t in e.trajectories for run in t.sequences()
+    ]
+    per_trajectory = sum(len(run[-1].prompt_ids) + len(run[-1].completion_ids) for run in runs)
     print(f"{len(outputs)} model calls in {args.episodes} tool-agent episodes; forward_backward:")
     for name, value in medians.items():
         print(f"  {name:24s} {value:.3f} s (median of {args.rounds})")

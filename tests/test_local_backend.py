@@ -69,7 +69,7 @@ async def test_sampler_logprobs_equal_the_trainer_recomputed_logprobs() -> None:
     outputs = await asyncio.gather(*[sample(backend, p, i) for i, p in enumerate(PROMPTS)])
     from backends.local.backend import _Row, _Sample
 
-    rows = [_Row(_Sample(o.prompt_ids, o.completion_ids, o.logprobs, 0.0)) for o in outputs]
+    rows = [_Row([_Sample(o.prompt_ids, o.completion_ids, o.logprobs, 0.0)]) for o in outputs]
     with torch.no_grad():
         recomputed, _ = backend._score(backend.model, rows, with_entropy=False)
     sampled = torch.tensor([lp for o in outputs for lp in o.logprobs])
@@ -320,7 +320,7 @@ async def test_truncated_is_weights_a_hand_made_mixed_version_batch() -> None:
     # The gradient is the capped-weight policy gradient -sum(w * A * grad logp).
     from backends.local.backend import _Row, _Sample
 
-    chunk = [_Row(_Sample(stale.prompt_ids, stale.completion_ids, stale.logprobs, 1.5))]
+    chunk = [_Row([_Sample(stale.prompt_ids, stale.completion_ids, stale.logprobs, 1.5)])]
     logp, _ = backend._score(reference, chunk, with_entropy=False)
     (-(weight.float() * 1.5 * logp).sum()).backward()
     for (name, p), q in zip(backend.model.named_parameters(), reference.parameters(), strict=True):

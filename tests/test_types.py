@@ -56,3 +56,19 @@ def test_group_needs_one_advantage_per_episode() -> None:
     episode = Episode(task_id="t", rollout_index=0)
     with pytest.raises(ValidationError, match="2 advantages for 1 episodes"):
         TrajectoryGroup(task_id="t", episodes=[episode], advantages=[0.0, 1.0], policy_version=0)
+
+
+def test_trajectory_sequences_merge_calls_while_each_prompt_extends_the_last_call() -> None:
+    def call(prompt: list[int], completion: list[int]) -> Step:
+        return Step(output=output(len(completion), prompt_ids=prompt, completion_ids=completion))
+
+    steps = [
+        call([1, 2], [3]),
+        call([1, 2, 3, 4], [5, 6]),  # the conversation so far plus an observation: same run
+        Step(output=output(0)),  # no completion: nothing to train
+        call([1, 2, 9, 4, 5, 6, 7], [8]),  # token 3 rewritten (a summarised history): new run
+        call([1, 2, 9, 4, 5, 6, 7, 8], [0]),  # extends with no observation between
+        call([1, 2], [3]),  # shorter than the run: new run
+    ]
+    runs = Trajectory(steps=steps, reward=0.0).sequences()
+    assert [[o.completion_ids for o in run] for run in runs] == [[[3], [5, 6]], [[8], [0]], [[3]]]

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from backends.local.backend import LocalBackend, _Row, _Sample
+from backends.local.backend import LocalBackend
 from backends.tinker.datums import group_sequences, to_datum
 from tests.agents import ScriptedEngine, local_loss_rows
 from unified.config import load_config
-from unified.types import Episode, Task, Trajectory, TrajectoryGroup
+from unified.types import Episode, ModelOutput, Task, Trajectory, TrajectoryGroup
 from workflows.tools import ToolWorkflow
 
 TASK = Task(id="t", data={"a": 2, "b": 3})
@@ -105,6 +105,10 @@ async def test_the_local_loss_scores_exactly_each_steps_completion_tokens_in_con
     assert torch.allclose(logp_T[-len(expected) :], expected, atol=1e-5)
 
 
+def one_call_per_run(trajectory: Trajectory) -> list[list[ModelOutput]]:
+    return [[step.output] for step in trajectory.steps if step.output.completion_ids]
+
+
 async def test_scoring_a_trajectorys_turns_in_one_row_trains_exactly_as_scoring_them_apart(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -144,7 +148,7 @@ async def test_scoring_a_trajectorys_turns_in_one_row_trains_exactly_as_scoring_
         return metrics, grads, passes
 
     merged, merged_grads, merged_rows = await gradients()
-    monkeypatch.setattr(_Row, "extend", lambda self, sample: False)
+    monkeypatch.setattr(Trajectory, "sequences", one_call_per_run)
     apart, apart_grads, apart_rows = await gradients()
     assert (merged_rows, apart_rows) == (2, 4), "two episodes of two turns: 2 rows, or 4 apart"
     assert merged.keys() == apart.keys()
@@ -153,12 +157,3 @@ async def test_scoring_a_trajectorys_turns_in_one_row_trains_exactly_as_scoring_
     assert len(merged_grads) == len(apart_grads) > 0
     for a, b in zip(merged_grads, apart_grads, strict=True):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
-
-
-def test_a_turn_whose_prompt_rewrites_the_history_starts_a_new_row() -> None:
-    first = _Sample([1, 2, 3], [4, 5], [-1.0, -1.0], 1.0)
-    row = _Row(first)
-    assert not row.extend(_Sample([1, 2, 9, 4, 5, 6], [7], [-1.0], 1.0)), "token 3 rewritten"
-    assert (row.ids, row.starts) == ([1, 2, 3, 4, 5], [3]), "a refused sample leaves it as it was"
-    assert row.extend(_Sample([1, 2, 3, 4, 5, 6], [7, 8], [-1.0, -1.0], 1.0))
-    assert (row.ids, row.starts, row.tokens) == ([1, 2, 3, 4, 5, 6, 7, 8], [3, 6], 4)

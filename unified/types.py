@@ -254,6 +254,30 @@ class Trajectory(_Model):
     def _valid_reward(cls, reward: Any) -> float:
         return _checked_reward(reward)
 
+    def sequences(self) -> list[list[ModelOutput]]:
+        """The model calls to train on, as runs that each train as one token sequence.
+
+        A call (a step with completion tokens) joins the run before it while its prompt extends
+        that run's last prompt and completion, as a multi-turn chat's does: the run's last call
+        then holds every token, and the earlier calls' completions are spans of it. A call whose
+        prompt rewrites earlier tokens starts a new run. Every backend trains on these runs.
+        """
+        runs: list[list[ModelOutput]] = []
+        for out in (step.output for step in self.steps if step.output.completion_ids):
+            if runs:
+                last = runs[-1][-1]
+                n = len(last.prompt_ids)
+                m = n + len(last.completion_ids)
+                if (
+                    len(out.prompt_ids) >= m
+                    and out.prompt_ids[:n] == last.prompt_ids
+                    and out.prompt_ids[n:m] == last.completion_ids
+                ):
+                    runs[-1].append(out)
+                    continue
+            runs.append([out])
+        return runs
+
 
 class Episode(_Model):
     """One workflow run on one task, as the trainer recorded it."""

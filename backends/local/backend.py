@@ -85,24 +85,17 @@ class _Sample:
 
 
 class _Row:
-    """One forward sequence: a trajectory's model calls, each prompt extending the last call's
-    prompt and completion, scored in one pass (a multi-turn episode costs its length, not the
-    sum of its prompts). `starts[k]` is where `samples[k]`'s completion begins in `ids`."""
+    """One forward sequence: a run of a trajectory's model calls (`Trajectory.sequences`) scored
+    in one pass, so a multi-turn episode costs its length, not the sum of its prompts.
+    `starts[k]` is where `samples[k]`'s completion begins in `ids`."""
 
     __slots__ = ("ids", "samples", "starts")
 
-    def __init__(self, sample: _Sample) -> None:
-        self.ids = sample.prompt + sample.completion
-        self.samples, self.starts = [sample], [len(sample.prompt)]
-
-    def extend(self, sample: _Sample) -> bool:
-        """Append `sample` if its prompt continues this row's tokens; False (unchanged) if not."""
-        if sample.prompt[: len(self.ids)] != self.ids:
-            return False
-        self.ids = sample.prompt + sample.completion
-        self.samples.append(sample)
-        self.starts.append(len(sample.prompt))
-        return True
+    def __init__(self, samples: list[_Sample]) -> None:
+        last = samples[-1]
+        self.ids = last.prompt + last.completion
+        self.samples = samples
+        self.starts = [len(s.prompt) for s in samples]
 
     @property
     def tokens(self) -> int:
@@ -229,17 +222,11 @@ class LocalBackend(BackendProtocol):
             for trajectory in episode.trajectories
         )
         for index, (trajectory, adv) in enumerate(trajectories):
-            first = len(rows)
-            for out in (step.output for step in trajectory.steps):
-                if out.completion_ids:
-                    temperature = self._scoring_temperature(out.temperature)
-                    sample = _Sample(
-                        out.prompt_ids, out.completion_ids, out.logprobs, adv, temperature
-                    )
-                    samples.append(sample)
-                    sequences.append(index)
-                    if len(rows) == first or not rows[-1].extend(sample):
-                        rows.append(_Row(sample))
+            for run in trajectory.sequences():
+                row = _Row([self._sample(out, adv) for out in run])
+                rows.append(row)
+                samples += row.samples
+                sequences += [index] * len(run)
         lengths = [len(s.completion) for s in samples]
         weights_T, step_norm = token_weights(lengths, self.settings.loss_agg, sequences)
         totals = {
@@ -272,6 +259,10 @@ class LocalBackend(BackendProtocol):
             metrics["train/is_ratio_mean"] = totals["is_weight"] / n
             metrics["train/is_clipped_frac"] = totals["is_capped"] / n
         return metrics
+
+    def _sample(self, out: ModelOutput, advantage: float) -> _Sample:
+        temperature = self._scoring_temperature(out.temperature)
+        return _Sample(out.prompt_ids, out.completion_ids, out.logprobs, advantage, temperature)
 
     def _backward_chunk(
         self, chunk: list[_Row], weights_T: torch.Tensor, totals: dict[str, float]

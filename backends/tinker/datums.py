@@ -4,7 +4,7 @@ Shift by one: a sequence of tokens `s` becomes `model_input = s[:-1]`, `target_t
 so input position i predicts token i+1, and every loss input has one entry per input position:
 the sampler's `logprobs` and the `advantages` on sampled tokens, zeros on prompt (and tool
 observation) tokens. The steps of one trajectory merge into one sequence while each step's prompt
-extends the previous prompt plus completion (a multi-turn chat); otherwise a new sequence starts.
+extends the previous prompt plus completion (`Trajectory.sequences`); otherwise a new one starts.
 Only the keys the loss takes are sent (`target_tokens` + `weights` for cross_entropy).
 """
 
@@ -45,20 +45,14 @@ class TokenSequence:
 
 
 def trajectory_sequences(trajectory: Trajectory, advantage: float) -> list[TokenSequence]:
-    """The trajectory's steps as merged sequences (one per run of extending prompts)."""
+    """The trajectory's calls as merged sequences (one per run of `Trajectory.sequences`)."""
     sequences: list[TokenSequence] = []
-    for step in trajectory.steps:
-        out = step.output
-        if not out.completion_ids:
-            continue
-        current = sequences[-1] if sequences else None
-        if current is not None and out.prompt_ids[: len(current.tokens)] == current.tokens:
+    for run in trajectory.sequences():
+        current = TokenSequence(advantage=advantage)
+        for out in run:
             current.extend(out.prompt_ids[len(current.tokens) :], None)
-        else:
-            current = TokenSequence(advantage=advantage)
-            current.extend(out.prompt_ids, None)
-            sequences.append(current)
-        current.extend(out.completion_ids, out.logprobs)
+            current.extend(out.completion_ids, out.logprobs)
+        sequences.append(current)
     return sequences
 
 

@@ -1,10 +1,10 @@
 """Trajectory groups -> verl's batch: the padded `DataProto`, and the no-padding form of workers.
 
 One row per trajectory. A multi-turn trajectory whose every step's prompt extends the previous
-step's prompt and completion becomes one row: the first prompt, then a response that interleaves
-model tokens (`response_mask` 1) with the tool/environment/template tokens between model calls
-(`response_mask` 0); a step that does not extend its predecessor starts a new row. The layout is
-that of verl's agent loops (`AgentLoopWorker._postprocess`):
+step's prompt and completion (`Trajectory.sequences`) becomes one row: the first prompt, then a
+response that interleaves model tokens (`response_mask` 1) with the tool/environment/template
+tokens between model calls (`response_mask` 0); a step that does not extend its predecessor
+starts a new row. The layout is that of verl's agent loops (`AgentLoopWorker._postprocess`):
 
 - `prompts` [B, P] left-padded; `responses`, `response_mask` [B, R] right-padded;
 - `input_ids` = prompts ++ responses, `attention_mask`, `position_ids` = cumsum(mask) - 1 [B, P+R];
@@ -31,7 +31,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
 from unified.errors import BackendError
-from unified.types import TrajectoryGroup
+from unified.types import ModelOutput, TrajectoryGroup
 
 __all__ = [
     "Row",
@@ -57,47 +57,36 @@ class Row:
     task_id: str = ""
     temperature: float | None = None
 
-    def extend(
-        self, prompt_ids: Sequence[int], completion: Sequence[int], lp: Sequence[float]
-    ) -> bool:
-        """Append a later model call if its prompt extends this row; False if it does not."""
-        sequence = self.prompt_ids + self.response_ids
-        if len(prompt_ids) < len(sequence) or list(prompt_ids[: len(sequence)]) != sequence:
-            return False
-        between = list(prompt_ids[len(sequence) :])
-        self.response_ids += between + list(completion)
-        self.response_mask += [0] * len(between) + [1] * len(completion)
-        self.logprobs += [0.0] * len(between) + list(lp)
-        return True
+    def extend(self, out: ModelOutput) -> None:
+        """Append a later call of the same run: the tokens between calls, then its completion."""
+        between = list(out.prompt_ids[len(self.prompt_ids) + len(self.response_ids) :])
+        self.response_ids += between + list(out.completion_ids)
+        self.response_mask += [0] * len(between) + [1] * len(out.completion_ids)
+        self.logprobs += [0.0] * len(between) + list(out.logprobs)
 
 
 def groups_to_rows(groups: Sequence[TrajectoryGroup]) -> list[Row]:
-    """The rows of `groups`, in group, episode, trajectory and step order."""
+    """The rows of `groups`, in group, episode, trajectory and run order."""
     rows: list[Row] = []
     for group in groups:
         uid = group.group_id or group.task_id
         for episode, advantage in zip(group.episodes, group.advantages, strict=True):
             for trajectory in episode.trajectories:
-                row: Row | None = None
-                for step in trajectory.steps:
-                    out = step.output
-                    if not out.completion_ids:
-                        continue
-                    if row is None or not row.extend(
-                        out.prompt_ids, out.completion_ids, out.logprobs
-                    ):
-                        row = Row(
-                            prompt_ids=list(out.prompt_ids),
-                            response_ids=list(out.completion_ids),
-                            response_mask=[1] * len(out.completion_ids),
-                            logprobs=list(out.logprobs),
-                            advantage=advantage,
-                            reward=trajectory.reward,
-                            uid=uid,
-                            task_id=group.task_id,
-                            temperature=out.temperature,
-                        )
-                        rows.append(row)
+                for first, *later in trajectory.sequences():
+                    row = Row(
+                        prompt_ids=list(first.prompt_ids),
+                        response_ids=list(first.completion_ids),
+                        response_mask=[1] * len(first.completion_ids),
+                        logprobs=list(first.logprobs),
+                        advantage=advantage,
+                        reward=trajectory.reward,
+                        uid=uid,
+                        task_id=group.task_id,
+                        temperature=first.temperature,
+                    )
+                    for out in later:
+                        row.extend(out)
+                    rows.append(row)
     return rows
 
 

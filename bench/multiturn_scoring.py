@@ -1,14 +1,12 @@
-"""The local backend's training pass on tool-agent episodes: rows per call or per trajectory.
+"""The local backend's training pass on tool-agent episodes: one row per trajectory vs per turn.
 
 Each turn of a multi-turn episode is a model call whose prompt holds the whole conversation so
 far. Scored one call at a time, a three-turn episode's first prompt goes through the model three
 times; scored as one row (the trajectory's last prompt and completion, with every call's
-completion picked out of it) it goes through once. And a batch of short direct answers and long
-checking episodes padded into one pass is half padding; grouped by length it is not. This
-samples `--episodes` countdown tool-agent episodes from the tool warm start at the train
-settings, then times `forward_backward` (policy and reference passes, backward) on that batch
-three ways, in alternating rounds in one process, and prints the medians as ratios against the
-first (the backend before both changes). The losses agree (tests/test_workflows_masking.py
+completion picked out of it) it goes through once. This samples `--episodes` countdown tool-agent
+episodes from the tool warm start at the train settings, then times `forward_backward` (policy
+and reference passes, backward) on the same batch both ways, in alternating rounds in one
+process, and prints the medians and their ratio. The losses agree (tests/test_workflows_masking.py
 checks the gradients too).
 
     python bench/multiturn_scoring.py --json runs/bench-multiturn-scoring.json
@@ -22,14 +20,11 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends.local import backend as backend_module
 from backends.local.backend import LocalBackend
 from examples.countdown.prepare import TOOL_WARMSTART_DIR, TOOL_WARMSTART_RECIPE, ensure_warmstart
 from examples.countdown.tasks import make_tasks
@@ -83,11 +78,6 @@ def one_call_per_run(trajectory: Trajectory) -> list[list[ModelOutput]]:
     return [[step.output] for step in trajectory.steps if step.output.completion_ids]
 
 
-def in_order(rows: Sequence[Any], most: int) -> list[list[int]]:
-    """Forward passes of `most` rows in batch order, as before grouping by length."""
-    return [list(range(start, min(start + most, len(rows)))) for start in range(0, len(rows), most)]
-
-
 def time_pass(backend: LocalBackend, groups: list[TrajectoryGroup]) -> float:
     start = time.perf_counter()
     backend._forward_backward(groups)
@@ -116,20 +106,12 @@ def main() -> None:
         s.output for g in groups for e in g.episodes for t in e.trajectories for s in t.steps
     ]
     calls = [o for o in outputs if o.completion_ids]
-    modes = {
-        "a row per call, in order": (one_call_per_run, in_order),
-        "a row per trajectory, in order": (Trajectory.sequences, in_order),
-        "a row per trajectory, by length": (Trajectory.sequences, backend_module._micro_batches),
-    }
-    times: dict[str, list[float]] = {name: [] for name in modes}
+    times: dict[str, list[float]] = {"one row per trajectory": [], "one row per turn": []}
     time_pass(backend, groups)  # warm-up
     for _ in range(args.rounds):
-        for name, (sequences, micro_batches) in modes.items():
-            with (
-                mock.patch.object(Trajectory, "sequences", sequences),
-                mock.patch.object(backend_module, "_micro_batches", micro_batches),
-            ):
-                times[name].append(time_pass(backend, groups))
+        times["one row per trajectory"].append(time_pass(backend, groups))
+        with mock.patch.object(Trajectory, "sequences", one_call_per_run):
+            times["one row per turn"].append(time_pass(backend, groups))
     asyncio.run(backend.shutdown())
     medians = {k: statistics.median(v) for k, v in times.items()}
     per_turn = sum(len(o.prompt_ids) + len(o.completion_ids) for o in calls)
@@ -138,13 +120,13 @@ def main() -> None:
     ]
     per_trajectory = sum(len(run[-1].prompt_ids) + len(run[-1].completion_ids) for run in runs)
     print(f"{len(outputs)} model calls in {args.episodes} tool-agent episodes; forward_backward:")
-    baseline = medians["a row per call, in order"]
     for name, value in medians.items():
-        print(f"  {name:34s} {value:.3f} s  {baseline / value:.2f}x  (median of {args.rounds})")
-    print(f"tokens through the model: {per_trajectory} a row per trajectory, {per_turn} per call")
+        print(f"  {name:24s} {value:.3f} s (median of {args.rounds})")
+    ratio = medians["one row per turn"] / medians["one row per trajectory"]
+    print(f"speedup: {ratio:.2f}x; tokens through the model {per_trajectory} vs {per_turn}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        result = {"medians_s": medians, "calls": len(calls),
+        result = {"medians_s": medians, "speedup": ratio, "calls": len(calls),
                   "tokens_per_trajectory": per_trajectory, "tokens_per_turn": per_turn}  # fmt: skip
         args.json.write_text(json.dumps(result, indent=2))
 

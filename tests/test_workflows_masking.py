@@ -11,12 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from backends.local import backend as backend_module
 from backends.local.backend import LocalBackend
 from backends.tinker.datums import group_sequences, to_datum
 from tests.agents import ScriptedEngine, local_loss_rows
 from unified.config import load_config
-from unified.types import Episode, ModelOutput, Step, Task, Trajectory, TrajectoryGroup
+from unified.types import Episode, ModelOutput, Task, Trajectory, TrajectoryGroup
 from workflows.tools import ToolWorkflow
 
 TASK = Task(id="t", data={"a": 2, "b": 3})
@@ -110,92 +109,51 @@ def one_call_per_run(trajectory: Trajectory) -> list[list[ModelOutput]]:
     return [[step.output] for step in trajectory.steps if step.output.completion_ids]
 
 
-CONFIG = {
-    "workflow": "tests.agents:LookupBanditWorkflow",
-    "model": "builtin:tiny",
-    "trainer": {"kl_coef": 0.1, "entropy_coef": 0.02},
-    "local": {"loss_agg": "seq_mean_token_mean"},
-}
-
-
-async def train_pass(
-    group: TrajectoryGroup,
-) -> tuple[dict[str, float], list[torch.Tensor], list[int]]:
-    """One `forward_backward` on a fresh built-in backend: metrics, gradients, rows per pass."""
-    backend = LocalBackend()
-    await backend.setup(load_config(CONFIG))
-    forward = backend.model.forward
-    passes: list[int] = []
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        passes.append(kwargs["input_ids"].shape[0])
-        return forward(*args, **kwargs)
-
-    backend.model.forward = counted  # type: ignore[method-assign]
-    try:
-        metrics = await backend.forward_backward([group])
-        grads = [p.grad.clone() for p in backend.model.parameters() if p.grad is not None]
-    finally:
-        await backend.shutdown()
-    return metrics, grads, passes
-
-
-def assert_same_training(
-    a: tuple[dict[str, float], list[torch.Tensor], list[int]],
-    b: tuple[dict[str, float], list[torch.Tensor], list[int]],
-) -> None:
-    assert a[0].keys() == b[0].keys()
-    for key in a[0]:
-        assert a[0][key] == pytest.approx(b[0][key], rel=1e-5, abs=1e-7), key
-    assert len(a[1]) == len(b[1]) > 0
-    for x, y in zip(a[1], b[1], strict=True):
-        assert torch.allclose(x, y, rtol=1e-4, atol=1e-7)
-
-
 async def test_scoring_a_trajectorys_turns_in_one_row_trains_exactly_as_scoring_them_apart(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """One forward pass per multi-turn trajectory is a saving, not a new objective: the loss,
     its metrics and every gradient equal those of one pass per turn."""
     trajectory, _ = await tool_episode()
-    solved = group_of(trajectory)
+    solved = group_of(trajectory, advantage=1.5)
     group = TrajectoryGroup(
         task_id="t",
         episodes=[*solved.episodes, *solved.episodes],
         advantages=[1.5, -0.5],
         policy_version=0,
     )
-    merged = await train_pass(group)
-    monkeypatch.setattr(Trajectory, "sequences", one_call_per_run)
-    apart = await train_pass(group)
-    assert (sum(merged[2]), sum(apart[2])) == (2, 4), "two episodes of two turns: 2 rows, or 4"
-    assert_same_training(merged, apart)
-
-
-async def test_short_and_long_rows_take_separate_passes_and_train_as_one_padded_pass(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Rows are grouped by length so short answers are not padded to multi-turn episodes; the
-    grouping (and its reordering of rows) changes no loss, metric or gradient."""
-    trajectory, engine = await tool_episode()
-    short = engine.tokenizer.encode("2 + 3?")
-    answer = ModelOutput(
-        text="5", prompt_ids=short, completion_ids=[short[0]], logprobs=[-1.0],
-        finish_reason="stop", policy_version=0,
+    config = load_config(
+        {"workflow": "tests.agents:LookupBanditWorkflow", "model": "builtin:tiny",
+         "trainer": {"kl_coef": 0.1, "entropy_coef": 0.02},
+         "local": {"loss_agg": "seq_mean_token_mean"}}
     )  # fmt: skip
-    episodes = [
-        Episode(task_id="t", rollout_index=i, trajectories=[t])
-        for i, t in enumerate(
-            [Trajectory(steps=[Step(output=answer)], reward=0.0), trajectory, trajectory]
-        )
-    ]
-    group = TrajectoryGroup(
-        task_id="t", episodes=episodes, advantages=[-1.0, 0.5, 0.5], policy_version=0
-    )
-    grouped = await train_pass(group)
-    monkeypatch.setattr(
-        backend_module, "_micro_batches", lambda rows, most: [list(range(len(rows)))]
-    )
-    padded = await train_pass(group)
-    assert (grouped[2], padded[2]) == ([1, 2], [3]), "the short row alone, then the two long"
-    assert_same_training(grouped, padded)
+
+    async def gradients() -> tuple[dict[str, float], list[torch.Tensor], int]:
+        backend = LocalBackend()
+        await backend.setup(config)
+        forward = backend.model.forward
+        passes = 0
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal passes
+            passes += kwargs["input_ids"].shape[0]
+            return forward(*args, **kwargs)
+
+        backend.model.forward = counted  # type: ignore[method-assign]
+        try:
+            metrics = await backend.forward_backward([group])
+            grads = [p.grad.clone() for p in backend.model.parameters() if p.grad is not None]
+        finally:
+            await backend.shutdown()
+        return metrics, grads, passes
+
+    merged, merged_grads, merged_rows = await gradients()
+    monkeypatch.setattr(Trajectory, "sequences", one_call_per_run)
+    apart, apart_grads, apart_rows = await gradients()
+    assert (merged_rows, apart_rows) == (2, 4), "two episodes of two turns: 2 rows, or 4 apart"
+    assert merged.keys() == apart.keys()
+    for key in merged:
+        assert merged[key] == pytest.approx(apart[key], rel=1e-5, abs=1e-7), key
+    assert len(merged_grads) == len(apart_grads) > 0
+    for a, b in zip(merged_grads, apart_grads, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)

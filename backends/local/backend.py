@@ -18,7 +18,7 @@ import copy
 import json
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -51,7 +51,7 @@ class LocalConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda if available.")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's).")
     max_batch: int = Field(64, ge=1, description="Most requests the sampler batches together.")
-    micro_batch: int = Field(64, ge=1, description="Most sequences per training forward pass.")
+    micro_batch: int = Field(64, ge=1, description="Sequences per training forward pass.")
     loss_agg: LossAggregation = Field(
         "token_mean",
         description="How token losses aggregate; seq_mean_* weigh each trajectory once.",
@@ -101,21 +101,6 @@ class _Row:
     def tokens(self) -> int:
         """Completion tokens scored in this row."""
         return sum(len(s.completion) for s in self.samples)
-
-
-def _micro_batches(rows: Sequence[_Row], most: int, spread: float = 2.0) -> list[list[int]]:
-    """Indices of `rows` in forward passes of at most `most` rows, shortest rows first, a pass
-    closing when the next row is over `spread` times its shortest: a batch of short answers and
-    long multi-turn episodes is not all padded to the longest (half the positions were padding)."""
-    batches: list[list[int]] = []
-    for i in sorted(range(len(rows)), key=lambda i: len(rows[i].ids)):
-        if batches and len(batches[-1]) < most:
-            shortest = len(rows[batches[-1][0]].ids)
-            if len(rows[i].ids) <= spread * shortest:
-                batches[-1].append(i)
-                continue
-        batches.append([i])
-    return batches
 
 
 class SamplerHost(Protocol):
@@ -254,11 +239,12 @@ class LocalBackend(BackendProtocol):
             "is_capped": 0.0,
             "tokens": 0.0,
         }
-        row_weights = torch.split(weights_T, [row.tokens for row in rows])
-        for chunk in _micro_batches(rows, self.settings.micro_batch):
-            self._backward_chunk(
-                [rows[i] for i in chunk], torch.cat([row_weights[i] for i in chunk]), totals
-            )
+        offset = 0
+        for start in range(0, len(rows), self.settings.micro_batch):
+            chunk = rows[start : start + self.settings.micro_batch]
+            n = sum(row.tokens for row in chunk)
+            self._backward_chunk(chunk, weights_T[offset : offset + n], totals)
+            offset += n
         self._grad_norm_denominator += step_norm
         self._loss_finite = self._loss_finite and math.isfinite(totals["loss"])
         n = max(1.0, totals["tokens"])

@@ -86,16 +86,15 @@ class _Sample:
 
 class _Row:
     """One forward sequence: a run of a trajectory's model calls (`Trajectory.sequences`) scored
-    in one pass, so a multi-turn episode costs its length, not the sum of its prompts.
-    `starts[k]` is where `samples[k]`'s completion begins in `ids`."""
+    in one pass, so a multi-turn episode costs its length, not the sum of its prompts. Each
+    sample's completion begins in `ids` where its prompt ends."""
 
-    __slots__ = ("ids", "samples", "starts")
+    __slots__ = ("ids", "samples")
 
     def __init__(self, samples: list[_Sample]) -> None:
         last = samples[-1]
         self.ids = last.prompt + last.completion
         self.samples = samples
-        self.starts = [len(s.prompt) for s in samples]
 
     @property
     def tokens(self) -> int:
@@ -212,7 +211,6 @@ class LocalBackend(BackendProtocol):
     # -- training -----------------------------------------------------------------------------
 
     def _forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        samples: list[_Sample] = []
         sequences: list[int] = []  # the trajectory of each sample: one sequence for `loss_agg`
         rows: list[_Row] = []  # in sample order, so the rows' tokens line up with `weights_T`
         trajectories = (
@@ -225,9 +223,8 @@ class LocalBackend(BackendProtocol):
             for run in trajectory.sequences():
                 row = _Row([self._sample(out, adv) for out in run])
                 rows.append(row)
-                samples += row.samples
                 sequences += [index] * len(run)
-        lengths = [len(s.completion) for s in samples]
+        lengths = [len(s.completion) for row in rows for s in row.samples]
         weights_T, step_norm = token_weights(lengths, self.settings.loss_agg, sequences)
         totals = {
             "loss": 0.0,
@@ -317,19 +314,15 @@ class LocalBackend(BackendProtocol):
         logits = model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
         # One gather for every completion token of the chunk (row i, position p-1+j predicts
         # token j): per-sample slicing would add autograd nodes per sample.
-        spans = [
-            (i, start, s)
-            for i, row in enumerate(chunk)
-            for start, s in zip(row.starts, row.samples, strict=True)
-        ]
-        rows_T = torch.tensor([i for i, _, s in spans for _ in s.completion], dtype=torch.long)
+        spans = [(i, s) for i, row in enumerate(chunk) for s in row.samples]
+        rows_T = torch.tensor([i for i, s in spans for _ in s.completion], dtype=torch.long)
         positions_T = torch.tensor(
-            [start - 1 + j for _, start, s in spans for j in range(len(s.completion))],
+            [len(s.prompt) - 1 + j for _, s in spans for j in range(len(s.completion))],
             dtype=torch.long,
         )
-        targets_T = torch.tensor([t for _, _, s in spans for t in s.completion], device=self.device)
+        targets_T = torch.tensor([t for _, s in spans for t in s.completion], device=self.device)
         temperatures_T = torch.tensor(
-            [s.temperature for _, _, s in spans for _ in s.completion], device=self.device
+            [s.temperature for _, s in spans for _ in s.completion], device=self.device
         )
         picked = logits[rows_T.to(self.device), positions_T.to(self.device)].float()
         log_probs = torch.log_softmax(picked / temperatures_T[:, None], -1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -170,3 +171,6 @@ def test_the_tool_agent_trains_end_to_end(make_config: ConfigFactory, mode: str)
     result = UnifiedTrainer(config).fit()
     assert result.steps == 2 and result.metrics["episodes/errors"] == 0
     assert "eval/tool_use" in result.metrics, "the tool agent's eval counts its calls"
+    lines = (result.run_dir / "metrics.jsonl").read_text().splitlines()
+    # In a step in which episodes ended (in async mode the last step may have none).
+    assert any("rollout/tool_use" in json.loads(line) for line in lines), "and so does training"

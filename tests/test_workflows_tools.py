@@ -201,6 +201,13 @@ def test_a_tool_workflow_trains_end_to_end_for_two_steps(make_config: ConfigFact
     assert calls and len(calls) == len(answers), "every episode: one tool call, then an answer"
     assert all(s.messages[-1]["role"] == "tool" for s in answers), "answers saw the tool result"
     assert all(s.messages[-1]["content"] == "pick your target" for s in answers)
+    rollout = {k: v for k, v in result.metrics.items() if k.startswith("rollout/tool")}
+    assert rollout == {
+        "rollout/tool_calls": 1.0,
+        "rollout/tool_calls_well_formed": 1.0,
+        "rollout/tool_use": 1.0,
+        "rollout/tool_use_well_formed": 1.0,
+    }, "the training episodes' calls are counted as eval's are"
 
 
 def test_the_builtin_template_renders_the_tools_list_and_tool_messages() -> None:

@@ -28,7 +28,7 @@ from unified.rollout import (
 )
 from unified.types import Episode, SamplingParams, Task
 
-__all__ = ["evaluate", "is_correct", "run_eval", "tool_call_metrics"]
+__all__ = ["episode_tool_calls", "evaluate", "is_correct", "run_eval", "tool_call_metrics"]
 
 
 def is_correct(episode: Episode) -> bool:
@@ -83,36 +83,38 @@ async def evaluate(
     }
 
 
+def episode_tool_calls(episode: Episode) -> tuple[int, int] | None:
+    """`(calls, failed calls)` of an episode from its steps' `info["tool_calls"]` /
+    `["tool_errors"]`; None when its workflow records no tool calls (`ToolWorkflow` does)."""
+    infos = [s.info for t in episode.trajectories for s in t.steps]
+    if not any("tool_calls" in info for info in infos):
+        return None
+    calls = sum(int(info.get("tool_calls", 0)) for info in infos)
+    return calls, sum(int(info.get("tool_errors", 0)) for info in infos)
+
+
 def tool_call_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Tool-call metrics of an evaluation, from the steps' `info["tool_calls"]`/`["tool_errors"]`.
+    """Tool-call metrics of an evaluation (`episode_tool_calls` of each episode).
 
     `eval/tool_calls`: calls per episode; `eval/tool_calls_well_formed`: the share of calls
     that parsed, named a tool, had valid arguments and ran without error (left out when nothing
     was called); `eval/tool_use`: the share of episodes that called a tool;
     `eval/tool_use_well_formed`: the share of episodes that called one and whose every call was
-    well-formed. Empty for a workflow that records no tool calls (`ToolWorkflow` records them).
+    well-formed. Empty when no episode's workflow records tool calls.
     """
-    recorded = False
-    calls = errors = used = clean = 0
-    for episode in episodes:
-        infos = [s.info for t in episode.trajectories for s in t.steps]
-        recorded = recorded or any("tool_calls" in info for info in infos)
-        episode_calls = sum(int(info.get("tool_calls", 0)) for info in infos)
-        episode_errors = sum(int(info.get("tool_errors", 0)) for info in infos)
-        calls += episode_calls
-        errors += episode_errors
-        used += episode_calls > 0
-        clean += episode_calls > 0 and episode_errors == 0
-    if not recorded:
+    recorded = [episode_tool_calls(episode) for episode in episodes]
+    if all(r is None for r in recorded):
         return {}
+    counted = [r or (0, 0) for r in recorded]
     n = max(1, len(episodes))
+    calls = sum(c for c, _ in counted)
     metrics = {
         "eval/tool_calls": calls / n,
-        "eval/tool_use": used / n,
-        "eval/tool_use_well_formed": clean / n,
+        "eval/tool_use": sum(c > 0 for c, _ in counted) / n,
+        "eval/tool_use_well_formed": sum(c > 0 and e == 0 for c, e in counted) / n,
     }
     if calls:
-        metrics["eval/tool_calls_well_formed"] = 1.0 - errors / calls
+        metrics["eval/tool_calls_well_formed"] = 1.0 - sum(e for _, e in counted) / calls
     return metrics
 
 

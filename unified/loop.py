@@ -35,7 +35,7 @@ from unified.config import TrainerConfig
 from unified.coordinator import SyncCoordinator
 from unified.data import TaskSampler
 from unified.errors import TrainingStopped
-from unified.evaluation import evaluate
+from unified.evaluation import episode_tool_calls, evaluate
 from unified.groups import EndedGroup, GroupTicket, TrajectoryGroupBuffer
 from unified.metrics import MetricsAggregator
 from unified.protocol import BackendProtocol
@@ -230,6 +230,7 @@ class TrainingLoop:
         self._episodes_done += 1
         if error is not None:
             self._count_failure(episode, error)
+        self._record_tool_calls(episode)
         self.groups.add_episode(ticket, episode)
         if self.groups.unproductive_in_a_row >= settings.max_filtered_in_a_row:
             raise TrainingStopped(
@@ -238,6 +239,24 @@ class TrainingLoop:
                 f"{self.step} trained steps: the rewards give no learning signal for this policy; "
                 "check the workflow's reward, or set trainer.filter_groups=false"
             )
+
+    def _record_tool_calls(self, episode: Episode) -> None:
+        """The `eval/tool_*` metrics of the training episodes, as `rollout/tool_*`: sampled at
+        the training temperature, where calls garble first."""
+        counted = episode_tool_calls(episode)
+        if counted is None:
+            return
+        calls, errors = counted
+        self.metrics.record_many(
+            {
+                "rollout/tool_calls": calls,
+                "rollout/tool_use": calls > 0,
+                "rollout/tool_use_well_formed": calls > 0 and errors == 0,
+            }
+        )
+        if calls:  # a share of calls: left out of a step in which nothing was called
+            well_formed = [1.0] * (calls - errors) + [0.0] * errors
+            self.metrics.record_all("rollout/tool_calls_well_formed", well_formed)
 
     def _count_failure(self, episode: Episode, error: BaseException) -> None:
         """Count a failed episode; past `max_error_rate`, re-raise its exception."""

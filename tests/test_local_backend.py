@@ -71,7 +71,7 @@ async def test_sampler_logprobs_equal_the_trainer_recomputed_logprobs() -> None:
 
     rows = [_Row([_Sample(o.prompt_ids, o.completion_ids, o.logprobs, 0.0)]) for o in outputs]
     with torch.no_grad():
-        recomputed, _ = backend._score(backend.model, rows, with_entropy=False)
+        recomputed = backend._score(backend.model, rows, with_entropy=False).logp_T
     sampled = torch.tensor([lp for o in outputs for lp in o.logprobs])
     assert (recomputed - sampled).abs().max().item() < 1e-5
     await backend.shutdown()
@@ -321,7 +321,7 @@ async def test_truncated_is_weights_a_hand_made_mixed_version_batch() -> None:
     from backends.local.backend import _Row, _Sample
 
     chunk = [_Row([_Sample(stale.prompt_ids, stale.completion_ids, stale.logprobs, 1.5)])]
-    logp, _ = backend._score(reference, chunk, with_entropy=False)
+    logp = backend._score(reference, chunk, with_entropy=False).logp_T
     (-(weight.float() * 1.5 * logp).sum()).backward()
     for (name, p), q in zip(backend.model.named_parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None, name
@@ -380,6 +380,30 @@ def test_backends_without_truncated_is_refuse_a_tis_cap_and_turn_auto_off(spec: 
         check_capabilities(async_config(trainer={"tis_cap": 2}), backend)
     check_capabilities(async_config(), backend)  # auto: accepted, and off
     assert resolve_tis_cap(async_config(), backend.capabilities) is None
+
+
+async def test_local_full_kl_takes_the_vocabulary_wide_log_probs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from backends.local import backend as backend_module
+    from backends.local.losses import full_kl
+
+    seen: list[tuple[torch.Size, torch.Size, float | None]] = []
+
+    def recording(lp: torch.Tensor, ref: torch.Tensor, clamp: float | None) -> torch.Tensor:
+        seen.append((lp.shape, ref.shape, clamp))
+        return full_kl(lp, ref, clamp)
+
+    monkeypatch.setattr(backend_module, "full_kl", recording)
+    local = {"kl_estimator": "full", "kl_clamp": 10.0}
+    config = local_config(kl_coef=0.1).model_copy(update={"local": local})
+    backend = await started(config)
+    out = await sample(backend, PROMPTS[0], 0)
+    metrics = await backend.forward_backward([group_of([out], [1.0])])
+    vocab = backend.model.config.vocab_size
+    shape = torch.Size([len(out.completion_ids), vocab])
+    assert seen == [(shape, shape, 10.0)] and math.isfinite(metrics["train/loss"])
+    await backend.shutdown()
 
 
 @pytest.mark.parametrize("kl_clamp", [None, 10.0])

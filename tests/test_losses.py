@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.local.losses import per_token_loss, token_weights
+from backends.local.losses import full_kl, kl_penalty, per_token_loss, token_weights
 
 LOSSES = ["cross_entropy", "importance_sampling", "ppo", "cispo"]
 
@@ -141,3 +141,28 @@ def test_without_tis_cap_the_loss_is_unchanged() -> None:
     ratio_T = (logp_T - old_T).exp()
     expected = -torch.minimum(ratio_T * adv_T, ratio_T.clamp(0.8, 1.2) * adv_T)
     torch.testing.assert_close(terms.loss_T, expected)
+
+
+def test_full_kl_is_the_exact_kl_that_k3_estimates_from_samples() -> None:
+    torch.manual_seed(0)
+    logits, ref_logits = torch.randn(3, 7), torch.randn(3, 7)
+    p, ref = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+    exact = torch.distributions.kl_divergence(
+        torch.distributions.Categorical(logits=p), torch.distributions.Categorical(logits=ref)
+    )
+    torch.testing.assert_close(full_kl(p, ref), exact)
+    assert torch.all(full_kl(p, p) == 0)
+    samples = torch.distributions.Categorical(logits=p).sample((200_000,))  # [N, 3]
+    picked = p.gather(1, samples.T).T, ref.gather(1, samples.T).T
+    torch.testing.assert_close(kl_penalty(*picked).mean(0), exact, rtol=0.05, atol=1e-3)
+    assert torch.all(full_kl(p, ref, clamp=0.01) <= 0.01)
+
+
+def test_full_kl_sees_mass_moved_onto_a_token_never_sampled() -> None:
+    """A policy that keeps its sampled token's probability but moves mass between two rare
+    tokens: k3 on the sampled token sees nothing, the full KL sees the move."""
+    ref = torch.tensor([[0.9, 0.09, 0.01]]).log()
+    p = torch.tensor([[0.9, 0.01, 0.09]]).log()
+    sampled = torch.tensor([[0]])
+    assert kl_penalty(p.gather(1, sampled)[:, 0], ref.gather(1, sampled)[:, 0]).item() == 0
+    assert full_kl(p, ref).item() > 0.1

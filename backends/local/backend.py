@@ -20,14 +20,20 @@ import math
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors.torch import load_file, save_file
 
 from backends.local.builtin import chat_prompt_ids, load_policy, save_policy
-from backends.local.losses import LossAggregation, kl_penalty, per_token_loss, token_weights
+from backends.local.losses import (
+    LossAggregation,
+    full_kl,
+    kl_penalty,
+    per_token_loss,
+    token_weights,
+)
 from backends.local.sampler import BatchingSampler
 from unified.config import TrainerConfig
 from unified.errors import BackendError, ConfigError
@@ -61,10 +67,23 @@ class LocalConfig(BaseModel):
         gt=0,
         description="Clamp of the KL term's value per token (10: verl's low_var_kl); null: none.",
     )
+    kl_estimator: Literal["k3", "full"] = Field(
+        "k3",
+        description="k3: the sampled token's estimator (verl's low_var_kl); full: exact KL over "
+        "the vocabulary at each position, which also sees mass moved onto unsampled tokens.",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     seed: int = Field(0, description="Seed of built-in model initialisation.")
+
+
+class _Scores(NamedTuple):
+    """The trainer model's view of a chunk's completion tokens, flattened in order."""
+
+    logp_T: torch.Tensor  # of each sampled token
+    entropy_T: torch.Tensor  # zeros unless asked for
+    log_probs_TV: torch.Tensor  # over the vocabulary, at each completion position
 
 
 class _Sample:
@@ -265,7 +284,7 @@ class LocalBackend(BackendProtocol):
         self, chunk: list[_Row], weights_T: torch.Tensor, totals: dict[str, float]
     ) -> None:
         t = self.config.trainer
-        logp_T, entropy_T = self._score(self.model, chunk, with_entropy=True)
+        logp_T, entropy_T, log_probs_TV = self._score(self.model, chunk, with_entropy=True)
         samples = [s for row in chunk for s in row.samples]
         old_T = torch.tensor([lp for s in samples for lp in s.old_logprobs], device=self.device)
         adv_T = torch.tensor(
@@ -277,8 +296,13 @@ class LocalBackend(BackendProtocol):
         loss_T = terms.loss_T
         if self.reference is not None and t.kl_coef > 0:
             with torch.no_grad():
-                ref_T, _ = self._score(self.reference, chunk, with_entropy=False)
-            loss_T = loss_T + t.kl_coef * kl_penalty(logp_T, ref_T, self.settings.kl_clamp)
+                ref = self._score(self.reference, chunk, with_entropy=False)
+            clamp = self.settings.kl_clamp
+            if self.settings.kl_estimator == "full":
+                kl_T = full_kl(log_probs_TV, ref.log_probs_TV, clamp)
+            else:
+                kl_T = kl_penalty(logp_T, ref.logp_T, clamp)
+            loss_T = loss_T + t.kl_coef * kl_T
         if t.entropy_coef > 0:
             loss_T = loss_T - t.entropy_coef * entropy_T
         weighted = (loss_T * weights_T.to(self.device)).sum()
@@ -300,9 +324,7 @@ class LocalBackend(BackendProtocol):
         temperature = sampled_at if sampled_at is not None else self.temperature
         return temperature if temperature > 0 else 1.0
 
-    def _score(
-        self, model: torch.nn.Module, chunk: list[_Row], *, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _score(self, model: torch.nn.Module, chunk: list[_Row], *, with_entropy: bool) -> _Scores:
         """Log-probabilities (and entropies) of the rows' completion tokens, flattened in order."""
         width = max(len(row.ids) for row in chunk)
         pad = self.tokenizer.pad_token_id or 0
@@ -331,7 +353,7 @@ class LocalBackend(BackendProtocol):
             entropy_T = -(log_probs.exp() * log_probs).sum(-1)
         else:
             entropy_T = torch.zeros_like(logp_T)
-        return logp_T, entropy_T
+        return _Scores(logp_T, entropy_T, log_probs)
 
     def _optim_step(self) -> dict[str, float]:
         """AdamW on the accumulated gradients, unless the loss or gradient norm is NaN/inf: then

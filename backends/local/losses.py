@@ -31,7 +31,14 @@ from typing import Literal
 
 import torch
 
-__all__ = ["LossAggregation", "LossTerms", "kl_penalty", "per_token_loss", "token_weights"]
+__all__ = [
+    "LossAggregation",
+    "LossTerms",
+    "full_kl",
+    "kl_penalty",
+    "per_token_loss",
+    "token_weights",
+]
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 
@@ -117,6 +124,19 @@ def kl_penalty(
         return torch.exp(log_ratio_T) - log_ratio_T - 1
     log_ratio_T = log_ratio_T.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
     return (torch.exp(log_ratio_T) - log_ratio_T - 1).clamp(max=clamp)
+
+
+def full_kl(
+    log_probs_TV: torch.Tensor, ref_log_probs_TV: torch.Tensor, clamp: float | None = None
+) -> torch.Tensor:
+    """KL(train || ref) per token, exactly, over the whole vocabulary: sum_v p_v (log p_v - ref_v).
+
+    `kl_penalty` sees only the sampled token, so mass the policy moves onto tokens it rarely
+    samples (a slipped character in a call's fixed text) goes unpenalised while an entropy bonus,
+    computed over the vocabulary, pushes it there; this sees it. `clamp` caps each token's value.
+    """
+    kl_T = (log_probs_TV.exp() * (log_probs_TV - ref_log_probs_TV)).sum(-1)
+    return kl_T if clamp is None else kl_T.clamp(max=clamp)
 
 
 def token_weights(

@@ -4,11 +4,15 @@ RL explores by sampling, so a warm start whose sampled calls are garbled, or who
 no better than direct answers, gives RL no reason to keep the tool. This runs the countdown tool
 agent on train problems with the train sampling settings and prints, for episodes that answer at
 once and those that check first, how many there are and their mean reward, and the share of
-sampled calls that were well-formed. `--steps/--lr` build a variant tool warm start (the default
-recipe otherwise) in `--into`, cached like the default one.
+sampled calls that were well-formed, with the malformed ones grouped by what broke. `--steps/--lr`
+build a variant tool warm start (the default recipe otherwise) in `--into`, cached like the
+default one; `--model` probes another model directory, `--checkpoint` a run's checkpoint (its
+backend directory, loaded over the model), and `--set` passes config overrides (another
+workflow, say).
 
     python bench/tool_probe.py --problems 512
     python bench/tool_probe.py --steps 100 --lr 2e-3 --into .cache/tool-warmstart-100-2e-3
+    python bench/tool_probe.py --checkpoint runs/NAME/checkpoints/step_000100/backend
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import asyncio
 import json
 import statistics
 import sys
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,15 +35,24 @@ from unified.evaluation import tool_call_metrics
 from unified.protocol import create_backend
 from unified.rollout import SamplingEngine, WorkflowDeadlines, resolve_workflow, run_episode
 from unified.types import Episode
+from workflows.tool_calls import parse_tool_calls
 
 CONFIG = "examples/countdown/local_tool_async.yaml"
 
 
-async def probe(model: Path, problems: int, seed: int) -> dict[str, float]:
-    config = load_config(CONFIG, [f"model={model}"])
+async def probe(
+    model: Path,
+    problems: int,
+    seed: int,
+    overrides: Sequence[str] = (),
+    checkpoint: Path | None = None,
+) -> tuple[dict[str, float], dict[str, tuple[int, str]]]:
+    config = load_config(CONFIG, [f"model={model}", *overrides])
     backend = create_backend(config.backend)
     await backend.setup(config)
     try:
+        if checkpoint is not None:
+            await backend.load_checkpoint(checkpoint)
         engine = backend.rollout_engine()
         workflow = resolve_workflow(config.workflow)
         defaults = config.sampling.train.model_dump()
@@ -63,7 +78,7 @@ async def probe(model: Path, problems: int, seed: int) -> dict[str, float]:
             first = episode.trajectories[0].steps[0].info
             shapes["check" if first.get("tool_calls") else "answer"].append(episode.reward)
     calls = tool_call_metrics(episodes)
-    return {
+    result = {
         "episodes_answering": len(shapes["answer"]),
         "answer_mean_reward": statistics.fmean(shapes["answer"] or [0.0]),
         "episodes_checking": len(shapes["check"]),
@@ -71,6 +86,24 @@ async def probe(model: Path, problems: int, seed: int) -> dict[str, float]:
         "calls_well_formed": calls.get("eval/tool_calls_well_formed", 0.0),
         "errors": float(sum(e.status != "ok" for e in episodes)),
     }
+    return result, malformed_calls(episodes)
+
+
+def malformed_calls(episodes: list[Episode]) -> dict[str, tuple[int, str]]:
+    """Malformed calls by what broke (the parser's error, or the tool's refusal), with a count
+    and one example reply each."""
+    kinds: Counter[str] = Counter()
+    examples: dict[str, str] = {}
+    for episode in episodes:
+        for trajectory in episode.trajectories:
+            for step in trajectory.steps:
+                if not step.info.get("tool_errors"):
+                    continue
+                errors = [c.error for c in parse_tool_calls(step.output.text) if c.error]
+                kind = errors[0].split(" (")[0] if errors else "the tool refused its arguments"
+                kinds[kind] += 1
+                examples.setdefault(kind, step.output.text)
+    return {kind: (n, examples[kind]) for kind, n in kinds.most_common()}
 
 
 def main() -> None:
@@ -80,6 +113,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="tool SFT steps of a variant warm start")
     parser.add_argument("--lr", type=float, help="its learning rate")
     parser.add_argument("--into", type=Path, help="where the variant is built (and cached)")
+    parser.add_argument("--model", type=Path, help="a model directory to probe instead")
+    parser.add_argument("--checkpoint", type=Path, help="a run checkpoint's backend directory")
+    parser.add_argument("--set", action="append", default=[], help="a config override")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     recipe, directory = TOOL_WARMSTART_RECIPE, TOOL_WARMSTART_DIR
@@ -89,16 +125,23 @@ def main() -> None:
         changes = {"steps": args.steps, "lr": args.lr}
         recipe = recipe.model_copy(update={k: v for k, v in changes.items() if v is not None})
         directory = args.into
-    model = ensure_warmstart(directory, recipe)
-    result = asyncio.run(probe(model, args.problems, args.seed))
-    print(
-        f"tool warm start {recipe.steps} steps at lr {recipe.lr:g}, sampled at the train settings:"
+    model = args.model or ensure_warmstart(directory, recipe)
+    result, malformed = asyncio.run(
+        probe(model, args.problems, args.seed, args.set, args.checkpoint)
     )
+    probed = f"tool warm start {recipe.steps} steps at lr {recipe.lr:g}"
+    if args.model is not None:
+        probed = f"model {args.model}"
+    if args.checkpoint is not None:
+        probed = f"checkpoint {args.checkpoint} over {model}"
+    print(f"{probed}, sampled at the train settings:")
     print(f"  answer at once: {result['episodes_answering']:4.0f} episodes, "
           f"mean reward {result['answer_mean_reward']:.3f}")  # fmt: skip
     print(f"  check first:    {result['episodes_checking']:4.0f} episodes, "
           f"mean reward {result['check_mean_reward']:.3f}")  # fmt: skip
     print(f"  calls well-formed: {result['calls_well_formed']:.1%}; errors: {result['errors']:.0f}")
+    for kind, (n, example) in malformed.items():
+        print(f"  malformed, {kind}: {n}, e.g. {example!r}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

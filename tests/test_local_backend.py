@@ -428,3 +428,16 @@ async def test_local_kl_clamp_reaches_the_kl_term(
     )
     assert clamps == [kl_clamp] and math.isfinite(metrics["train/loss"])
     await backend.shutdown()
+
+
+async def test_local_optimizer_settings_reach_adamw() -> None:
+    local = {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1}
+    backend = await started(local_config(lr=2e-4).model_copy(update={"local": local}))
+    (group,) = backend.optimizer.param_groups
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (
+        2e-4,
+        (0.8, 0.99),
+        1e-6,
+        0.1,
+    )
+    await backend.shutdown()

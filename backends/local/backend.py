@@ -74,6 +74,7 @@ class LocalConfig(BaseModel):
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     seed: int = Field(0, description="Seed of built-in model initialisation.")
 
@@ -200,6 +201,7 @@ class LocalBackend(BackendProtocol):
             self.model.parameters(),
             lr=config.trainer.lr,
             betas=s.betas,
+            eps=s.eps,
             weight_decay=s.weight_decay,
         )
         self.temperature = config.sampling.train.temperature or 1.0

@@ -90,8 +90,8 @@ async def probe(
 
 
 def malformed_calls(episodes: list[Episode]) -> dict[str, tuple[int, str]]:
-    """Malformed calls by what broke (the parser's error, or the tool's refusal), with a count
-    and one example reply each."""
+    """Malformed calls by what broke (the parser's error, or a parsed call whose run failed),
+    with a count and one example reply each."""
     kinds: Counter[str] = Counter()
     examples: dict[str, str] = {}
     for episode in episodes:
@@ -100,7 +100,7 @@ def malformed_calls(episodes: list[Episode]) -> dict[str, tuple[int, str]]:
                 if not step.info.get("tool_errors"):
                     continue
                 errors = [c.error for c in parse_tool_calls(step.output.text) if c.error]
-                kind = errors[0].split(" (")[0] if errors else "the tool refused its arguments"
+                kind = errors[0].split(" (")[0] if errors else "parsed, but the tool run failed"
                 kinds[kind] += 1
                 examples.setdefault(kind, step.output.text)
     return {kind: (n, examples[kind]) for kind, n in kinds.most_common()}
@@ -120,6 +120,8 @@ def main() -> None:
     args = parser.parse_args()
     recipe, directory = TOOL_WARMSTART_RECIPE, TOOL_WARMSTART_DIR
     if args.steps is not None or args.lr is not None:
+        if args.model is not None:
+            parser.error("--model and a variant (--steps/--lr): give one or the other")
         if args.into is None:
             parser.error("a variant (--steps/--lr) needs --into DIR")
         changes = {"steps": args.steps, "lr": args.lr}

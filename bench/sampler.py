@@ -4,7 +4,9 @@ Both sample the same prompts (countdown prompts under the chat template) from th
 model with the same settings (temperature 1, top-p 1, the same max new tokens, stop at the
 end-of-turn token). Rounds alternate between the two in one process; the figure is the ratio of
 median generated tokens per second. A second figure shows request batching: N concurrent
-`chat` calls through the backend's engine against the same N calls made one at a time.
+`chat` calls through the backend's engine against the same N calls made one at a time. A third
+times the prefill of a batch mixing first turns with later turns of tool conversations (as an
+agent's batches do), in groups of similar length against one group padded to the longest.
 
     python bench/sampler.py --json runs/bench-sampler.json
 """
@@ -18,11 +20,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from backends.local import decoding
 from backends.local.backend import LocalBackend
 from backends.local.builtin import chat_prompt_ids, load_policy
 from backends.local.sampler import Request, generate_batch
@@ -91,11 +96,13 @@ def main() -> None:
             rates[name].append(tokens / (time.perf_counter() - started))
     local, hf_rate = statistics.median(rates["local"]), statistics.median(rates["hf_generate"])
     batching = asyncio.run(_batching(args, messages))
+    prefill = _mixed_prefill(model, tokenizer, messages, args.rounds)
     report = {
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "tokens_per_s": {"local": local, "hf_generate": hf_rate},
         "speedup_vs_generate": local / hf_rate,
         "batching": batching,
+        "mixed_prefill": prefill,
     }
     print(f"local sampler   {local:8.0f} tokens/s (median of {args.rounds})")
     print(f"model.generate  {hf_rate:8.0f} tokens/s")
@@ -105,9 +112,41 @@ def main() -> None:
         f"{batching['batches']} batch(es); one at a time: {batching['sequential_s']:.2f} s "
         f"({batching['sequential_s'] / batching['concurrent_s']:.1f}x)"
     )
+    grouped, one = prefill["grouped_s"], prefill["one_group_s"]
+    print(
+        f"prefill of {args.batch} prompts of {prefill['min_len']:.0f}-{prefill['max_len']:.0f} "
+        f"tokens: {grouped * 1e3:.0f} ms in {prefill['groups']:.0f} length groups, "
+        f"{one * 1e3:.0f} ms as one group ({one / grouped:.2f}x)"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
+
+
+def _mixed_prefill(
+    model: torch.nn.Module, tokenizer: Any, messages: list[list[dict[str, str]]], rounds: int
+) -> dict[str, float]:
+    """Median prefill time of a batch of first, second and third turns: grouped vs one group."""
+    call = '<tool_call>{"name": "calc", "arguments": {"expr": "3*7+12"}}</tool_call>'
+    turns = [{"role": "assistant", "content": call}, {"role": "tool", "content": "33"}]
+    prompts = [chat_prompt_ids(tokenizer, m + turns * (i % 3)) for i, m in enumerate(messages)]
+    requests = [Request(p, SamplingParams(temperature=1.0, max_tokens=1, seed=0)) for p in prompts]
+    one_group = len(prompts) * max(map(len, prompts))  # more than any split saves
+    times: dict[str, list[float]] = {"grouped": [], "one_group": []}
+    for _ in range(rounds + 1):  # the first round warms up
+        for name, overhead in (("grouped", decoding.GROUP_OVERHEAD), ("one_group", one_group)):
+            with mock.patch.object(decoding, "GROUP_OVERHEAD", overhead):
+                started = time.perf_counter()
+                generate_batch(model, tokenizer, requests, version=0)  # type: ignore[arg-type]
+                times[name].append(time.perf_counter() - started)
+    lengths = [len(p) for p in prompts]
+    return {
+        "grouped_s": statistics.median(times["grouped"][1:]),
+        "one_group_s": statistics.median(times["one_group"][1:]),
+        "groups": float(len(decoding.prefill_groups(lengths))),
+        "min_len": float(min(lengths)),
+        "max_len": float(max(lengths)),
+    }
 
 
 async def _batching(

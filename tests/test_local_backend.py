@@ -14,6 +14,7 @@ import torch
 
 from backends.local import sampler as sampler_module
 from backends.local.backend import LocalBackend
+from backends.local.decoding import prefill_groups
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.config import TrainerConfig, load_config
@@ -207,6 +208,34 @@ async def test_a_batched_request_gets_what_it_would_get_alone() -> None:
         assert alone.completion_ids == batched[i].completion_ids, f"request {i}"
         assert alone.logprobs == pytest.approx(batched[i].logprobs, abs=1e-5)
     await backend.shutdown()
+
+
+async def test_prompts_of_very_different_lengths_prefill_in_groups_and_score_exactly() -> None:
+    backend = await started()
+    engine = backend.rollout_engine()
+    params = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 6, "stop": [], "seed": 3}
+    prompts = [[10 + i % 50] * n for i, n in enumerate([3, 4, 120, 118, 60, 3])]
+    assert len(prefill_groups([len(p) for p in prompts])) > 1
+    outputs = await asyncio.gather(*[engine.complete(p, **params) for p in prompts])
+    assert backend.sampler.batches == 1
+    for output in outputs:
+        expected = teacher_forced_logprobs(backend.sampler.model, output)
+        assert output.logprobs == pytest.approx(expected, abs=1e-5)
+    await backend.shutdown()
+
+
+@pytest.mark.parametrize(
+    "lengths", [[7], [30] * 34, [30, 31, 90, 92, 29, 60] * 10, [1, 250, 2, 249, 125]]
+)
+def test_prefill_groups_cover_every_row_once_at_its_width(lengths: list[int]) -> None:
+    groups = prefill_groups(lengths)
+    rows = sorted(r for group, _ in groups for r in group)
+    assert rows == list(range(len(lengths)))
+    assert all(width == max(lengths[r] for r in group) for group, width in groups)
+    padded = sum(len(group) * width for group, width in groups)
+    assert padded <= len(lengths) * max(lengths), "never more padding than one group"
+    if len(set(lengths)) == 1:
+        assert len(groups) == 1
 
 
 async def test_an_empty_prompt_is_a_usage_error() -> None:

@@ -4,7 +4,9 @@ A `Stepper` runs the model for a left-padded batch: `prefill` consumes the promp
 the next-token logits, `step` feeds one token per row and returns the following logits. The fast
 path, `Qwen2Stepper`, re-implements the forward of Qwen2/Llama-style models directly over
 preallocated key/value tensors; at small model sizes the per-token Python overhead of the generic
-Hugging Face path dominates, and this path avoids it. `HFStepper` serves every other causal LM.
+Hugging Face path dominates, and this path avoids it; it prefills rows of similar prompt length
+together (`prefill_groups`), so a batch mixing short and long prompts is not all padding.
+`HFStepper` serves every other causal LM.
 Both compute in float32 and agree with the model's own full-sequence forward (the trainer's) to
 float rounding.
 """
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-__all__ = ["HFStepper", "Qwen2Stepper", "Stepper", "make_stepper"]
+__all__ = ["HFStepper", "Qwen2Stepper", "Stepper", "make_stepper", "prefill_groups"]
 
 
 class Stepper(Protocol):
@@ -92,15 +94,28 @@ class Qwen2Stepper:
         valid = mask_BL.bool()
         pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
         self.key_bias_BT[:, :L] = torch.where(valid, 0.0, float("-inf"))
-        causal = torch.ones(L, L, dtype=torch.bool, device=valid.device).tril()
-        # Pad queries may see themselves, so no row is fully masked (that would give NaNs).
-        allowed = causal & (valid[:, None, :] | torch.eye(L, dtype=torch.bool, device=valid.device))
-        bias = torch.zeros(B, 1, L, L, dtype=self.k.dtype, device=valid.device)
-        bias = bias.masked_fill(~allowed[:, None], -torch.inf)
-        hidden = self._forward(ids_BL, pos_BL, 0, bias)
+        logits: torch.Tensor | None = None
+        # Rows of similar length run together, each group cut to its longest prompt: a batch
+        # mixing first turns with long later turns would otherwise spend most of its prefill on
+        # padding. Prompts are left-padded, so a group's tokens are the last `width` columns.
+        for rows, width in prefill_groups(valid.sum(-1).tolist()):
+            index = torch.tensor(rows, device=ids_BL.device)
+            ids, ok = ids_BL[index, L - width :], valid[index, L - width :]
+            causal = torch.ones(width, width, dtype=torch.bool, device=ok.device).tril()
+            # Pad queries may see themselves, so no row is fully masked (that would give NaNs).
+            eye = torch.eye(width, dtype=torch.bool, device=ok.device)
+            allowed = causal & (ok[:, None, :] | eye)
+            bias = torch.zeros(len(rows), 1, width, width, dtype=self.k.dtype, device=ok.device)
+            bias = bias.masked_fill(~allowed[:, None], -torch.inf)
+            hidden = self._forward(ids, pos_BL[index, L - width :], L - width, bias, index)
+            out = self.lm_head(self.norm(hidden[:, -1]))
+            if logits is None:
+                logits = out.new_empty(B, out.shape[-1])
+            logits[index] = out
         self.length = L
         self.next_pos_B = pos_BL[:, -1] + 1
-        return self.lm_head(self.norm(hidden[:, -1]))  # type: ignore[no-any-return]
+        assert logits is not None
+        return logits
 
     def keep(self, rows: torch.Tensor) -> bool:
         self.k = self.k[:, rows]
@@ -118,8 +133,14 @@ class Qwen2Stepper:
         return self.lm_head(self.norm(hidden[:, -1]))  # type: ignore[no-any-return]
 
     def _forward(
-        self, ids_BS: torch.Tensor, pos_BS: torch.Tensor, start: int, bias: torch.Tensor
+        self,
+        ids_BS: torch.Tensor,
+        pos_BS: torch.Tensor,
+        start: int,
+        bias: torch.Tensor,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Run tokens at cache positions `start:start+S`: a prefill group's `rows`, or a step."""
         B, S = ids_BS.shape
         end = start + S
         cos, sin = self.cos[pos_BS][:, None], self.sin[pos_BS][:, None]  # [B, 1, S, D]
@@ -135,14 +156,16 @@ class Qwen2Stepper:
             v = v.transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            self.k[i, :, :, start:end] = k
-            self.v[i, :, :, start:end] = v
-            keys, values = self.k[i, :, :, :end], self.v[i, :, :, :end]
-            if S == 1:
+            if rows is None:  # one new token per row: attend over the whole cache
+                self.k[i, :, :, start:end] = k
+                self.v[i, :, :, start:end] = v
+                keys, values = self.k[i, :, :, :end], self.v[i, :, :, :end]
                 out = self._decode_attention(q, keys, values, bias)
-            else:
+            else:  # a prefill group: its rows hold nothing before `start`
+                self.k[i, rows, :, start:end] = k
+                self.v[i, rows, :, start:end] = v
                 out = F.scaled_dot_product_attention(
-                    q, keys, values, attn_mask=bias, enable_gqa=self.heads != self.kv_heads
+                    q, k, v, attn_mask=bias, enable_gqa=self.heads != self.kv_heads
                 )
             x = x + F.linear(out.transpose(1, 2).reshape(B, S, -1), f.o_weight)
             h = _rms_norm(x, f.norm2, self.eps)
@@ -160,6 +183,39 @@ class Qwen2Stepper:
         scores = torch.matmul(q_grouped, keys.transpose(-1, -2)) * self.head_dim**-0.5
         weights = torch.softmax(scores + bias.reshape(B, 1, 1, T), dim=-1)
         return torch.matmul(weights, values).reshape(B, self.heads, 1, self.head_dim)
+
+
+# What one more prefill group costs beyond its tokens, in padded positions: the launch overhead
+# of its ~20 small kernels at the built-in sizes on CPU (measured, docs/benchmarks.md).
+GROUP_OVERHEAD = 128
+
+
+def prefill_groups(lengths: list[int]) -> list[tuple[list[int], int]]:
+    """Split a batch's rows into groups of similar prompt length: `(rows, width)` each.
+
+    Minimises the padded positions a prefill runs (each group padded to its longest row) plus
+    `GROUP_OVERHEAD` per group, over groups of consecutive rows in length order; cuts fall only
+    where the length changes, so the search is over distinct lengths.
+    """
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    ls = [lengths[r] for r in order]
+    starts = [i for i in range(len(ls)) if i == 0 or ls[i] != ls[i - 1]]
+    # best[k]: the cheapest split of the rows before starts[k] (starts[len] = all rows).
+    ends = [*starts[1:], len(ls)]
+    best = [0.0] + [float("inf")] * len(starts)
+    cut = [0] * (len(starts) + 1)
+    for k in range(1, len(starts) + 1):
+        for j in range(k):
+            cost = best[j] + (ends[k - 1] - starts[j]) * ls[starts[j]] + GROUP_OVERHEAD
+            if cost < best[k]:
+                best[k], cut[k] = cost, j
+    groups: list[tuple[list[int], int]] = []
+    k = len(starts)
+    while k > 0:
+        j = cut[k]
+        groups.append((order[starts[j] : ends[k - 1]], ls[starts[j]]))
+        k = j
+    return groups[::-1]
 
 
 @dataclass

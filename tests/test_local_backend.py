@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from backends.local import sampler as sampler_module
-from backends.local.backend import LocalBackend
+from backends.local.backend import LocalBackend, split_threads
 from backends.local.decoding import prefill_groups
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.config import TrainerConfig, load_config
-from unified.errors import CapabilityError, UsageError
+from unified.errors import CapabilityError, ConfigError, UsageError
 from unified.protocol import (
     DEFAULT_TIS_CAP,
     BackendCapabilities,
@@ -470,3 +470,45 @@ async def test_local_optimizer_settings_reach_adamw() -> None:
         0.1,
     )
     await backend.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("total", "sampler", "concurrent", "expected"),
+    [
+        (2, None, True, (1, 1)),  # async on 2 cores: one each
+        (2, None, False, (2, 2)),  # sync: they take turns, each uses both
+        (8, 2, True, (2, 6)),
+        (4, 4, True, (4, 4)),  # the sampler given all of them: no split
+        (1, None, True, (1, 1)),
+        (3, 2, False, (2, 3)),
+    ],
+)
+def test_threads_split_between_sampling_and_training_only_when_they_run_at_once(
+    total: int, sampler: int | None, concurrent: bool, expected: tuple[int, int]
+) -> None:
+    assert split_threads(total, sampler, concurrent) == expected
+
+
+async def test_the_thread_split_reaches_the_sampler_and_the_training_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = async_config(local={"threads": 2}, trainer={"kl_coef": 0.0})
+    backend = await started(config)
+    assert backend.sampler.threads == 1
+    seen: list[int] = []
+    real = backend._forward_backward
+
+    def recording(groups: list[TrajectoryGroup]) -> dict[str, float]:
+        seen.append(torch.get_num_threads())
+        return real(groups)
+
+    monkeypatch.setattr(backend, "_forward_backward", recording)
+    await backend.forward_backward([group_of([await sample(backend, PROMPTS[0], 0)], [1.0])])
+    assert seen == [1]
+    await backend.shutdown()
+
+
+async def test_more_sampler_threads_than_threads_is_a_config_error() -> None:
+    config = async_config(local={"threads": 2, "sampler_threads": 3})
+    with pytest.raises(ConfigError, match=r"local\.sampler_threads is 3, more than the 2"):
+        await started(config)

@@ -243,6 +243,7 @@ class BatchingSampler:
         *,
         max_batch: int = 64,
         partial_rollout: bool = False,
+        threads: int | None = None,
     ) -> None:
         sampling = copy.deepcopy(model).eval()
         for p in sampling.parameters():
@@ -254,6 +255,7 @@ class BatchingSampler:
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.partial_rollout = partial_rollout
+        self.threads = threads  # torch CPU threads of each batch; None: the worker thread's own
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self.batches = 0
         self._queue: list[Request] = []
@@ -363,6 +365,8 @@ class BatchingSampler:
         def swapped() -> bool:
             return self._current is not weights
 
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)  # per OS thread: a training pass keeps its own
         try:
             return generate_batch(
                 weights.model,

@@ -1,0 +1,84 @@
+"""Async steps on the local backend: the cores split between sampling and training, or shared.
+
+In async mode the sampler samples the next batch while the trainer trains on the last, in one
+process. Shared, each uses every core (`local.sampler_threads` set to all of them, the behaviour
+before the split); split (the default), the sampler gets half and training the rest. This trains
+the same config both ways for `--steps` steps, in alternating rounds in one process, and prints
+the median `time/step` and `time/eval` of each and their ratio.
+
+    python bench/threads.py --json runs/bench-threads.json
+    python bench/threads.py --config examples/countdown/local_tool_async.yaml --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from unified.config import load_config
+from unified.trainer import UnifiedTrainer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(args: argparse.Namespace, run_dir: str, name: str, overrides: list[str]) -> list[dict]:
+    config = load_config(
+        ROOT / args.config,
+        [
+            f"name=bench-threads-{name}",
+            f"logging.run_dir={run_dir}",
+            "logging.console=false",
+            f"trainer.total_steps={args.steps}",
+            f"trainer.eval_every={args.eval_every}",
+            "trainer.save_every=0",
+            *overrides,
+        ],
+    )
+    result = UnifiedTrainer(config).fit()
+    lines = (result.run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="examples/countdown/local_async.yaml")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    cores = torch.get_num_threads()
+    modes = {"shared": [f"local.sampler_threads={cores}"], "split": []}
+    step: dict[str, list[float]] = {m: [] for m in modes}
+    evals: dict[str, list[float]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for name, overrides in modes.items():
+                rows = run(args, tmp, f"{name}-{round_}", overrides)
+                step[name] += [r["time/step"] for r in rows if "time/step" in r]
+                evals[name] += [r["time/eval"] for r in rows if "time/eval" in r]
+    medians = {
+        m: {"step_s": statistics.median(step[m]), "eval_s": statistics.median(evals[m])}
+        for m in modes
+    }
+    print(f"{args.config}, {args.steps} steps x {args.rounds} rounds each, {cores} threads:")
+    for name, value in medians.items():
+        print(f"  {name:6s} time/step {value['step_s']:.3f} s, time/eval {value['eval_s']:.3f} s")
+    ratios = {k: medians["shared"][k] / medians["split"][k] for k in ("step_s", "eval_s")}
+    print(f"split is {ratios['step_s']:.2f}x per step, {ratios['eval_s']:.2f}x per evaluation")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        report = {"config": args.config, "steps": args.steps, "threads": cores}
+        args.json.write_text(json.dumps({**report, "medians": medians, "ratios": ratios}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

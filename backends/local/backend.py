@@ -100,7 +100,7 @@ def split_threads(total: int, sampler: int | None, concurrent: bool) -> Threads:
 
     When the two run at once (async mode) each gets its own part, the sampler half unless given;
     a sampler given every thread leaves training all of them too. When they take turns, each
-    uses all of them. On 2 cores the split made async steps ~8% faster (docs/benchmarks.md).
+    uses all of them. On 2 cores the split made async steps 1.09-1.18x faster (bench/threads.py).
     """
     if sampler is not None and sampler > total:
         raise ConfigError(
@@ -260,7 +260,7 @@ class LocalBackend(BackendProtocol):
     def _locked(self, fn: Callable[..., dict[str, float]], *args: Any) -> dict[str, float]:
         # A cancelled caller does not stop the thread: shutdown waits on this lock for it.
         with self._training:
-            torch.set_num_threads(self._threads.training)  # per OS thread, like the sampler's
+            torch.set_num_threads(self._threads.training)  # OpenMP counts per OS thread
             return fn(*args)
 
     async def on_policy_updated(self, version: int) -> None:

@@ -366,7 +366,7 @@ class BatchingSampler:
             return self._current is not weights
 
         if self.threads is not None:
-            torch.set_num_threads(self.threads)  # per OS thread: a training pass keeps its own
+            torch.set_num_threads(self.threads)  # OpenMP counts per OS thread
         try:
             return generate_batch(
                 weights.model,

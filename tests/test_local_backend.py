@@ -14,7 +14,7 @@ import torch
 
 from backends.local import sampler as sampler_module
 from backends.local.backend import LocalBackend, split_threads
-from backends.local.decoding import prefill_groups
+from backends.local.decoding import GROUP_OVERHEAD, prefill_groups
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.config import TrainerConfig, load_config
@@ -225,17 +225,19 @@ async def test_prompts_of_very_different_lengths_prefill_in_groups_and_score_exa
 
 
 @pytest.mark.parametrize(
-    "lengths", [[7], [30] * 34, [30, 31, 90, 92, 29, 60] * 10, [1, 250, 2, 249, 125]]
+    "lengths", [[7], [30] * 34, [30, 31, 90, 92, 29, 60] * 10, [1, 250, 2, 249, 125, 3] * 4]
 )
 def test_prefill_groups_cover_every_row_once_at_its_width(lengths: list[int]) -> None:
     groups = prefill_groups(lengths)
     rows = sorted(r for group, _ in groups for r in group)
     assert rows == list(range(len(lengths)))
     assert all(width == max(lengths[r] for r in group) for group, width in groups)
-    padded = sum(len(group) * width for group, width in groups)
-    assert padded <= len(lengths) * max(lengths), "never more padding than one group"
+    cost = sum(len(group) * width + GROUP_OVERHEAD for group, width in groups)
+    assert cost <= len(lengths) * max(lengths) + GROUP_OVERHEAD, "no worse than one group"
     if len(set(lengths)) == 1:
         assert len(groups) == 1
+    if max(lengths) - min(lengths) > 2 * GROUP_OVERHEAD:
+        assert len(groups) > 1, "far apart lengths are not padded to each other"
 
 
 async def test_an_empty_prompt_is_a_usage_error() -> None:

@@ -200,7 +200,8 @@ def prefill_groups(lengths: list[int]) -> list[tuple[list[int], int]]:
     order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
     ls = [lengths[r] for r in order]
     starts = [i for i in range(len(ls)) if i == 0 or ls[i] != ls[i - 1]]
-    # best[k]: the cheapest split of the rows before starts[k] (starts[len] = all rows).
+    # best[k]: the cheapest split of the rows of the k longest distinct lengths; cut[k]: where
+    # its last group starts (an index into `starts`).
     ends = [*starts[1:], len(ls)]
     best = [0.0] + [float("inf")] * len(starts)
     cut = [0] * (len(starts) + 1)

@@ -66,7 +66,12 @@ class LocalConfig(BaseModel):
         "all of them in sync mode, where they take turns.",
     )
     max_batch: int = Field(64, ge=1, description="Most requests the sampler batches together.")
-    micro_batch: int = Field(64, ge=1, description="Sequences per training forward pass.")
+    micro_batch: int = Field(
+        32,
+        ge=1,
+        description="Sequences per training forward pass (32: the fastest on CPU, "
+        "bench/micro_batch.py).",
+    )
     loss_agg: LossAggregation = Field(
         "token_mean",
         description="How token losses aggregate; seq_mean_* weigh each trajectory once.",

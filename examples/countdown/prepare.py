@@ -110,7 +110,9 @@ def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = Non
                     "warmup_steps": min(10, recipe.steps // 10),
                     "seed": recipe.seed,
                 },
-                "local": {"seed": recipe.seed},
+                # Passes of 64 sequences, as before the local default became 32: the same
+                # recipe keeps giving the same model (micro-batching changes float rounding).
+                "local": {"seed": recipe.seed, "micro_batch": 64},
                 "logging": {"run_dir": scratch, "console": True},
             }
         )

@@ -1,13 +1,17 @@
-"""Async steps on the local backend: the cores split between sampling and training, or shared.
+"""Async steps on the local backend: how the cores are shared between sampling and training.
 
 In async mode the sampler samples the next batch while the trainer trains on the last, in one
-process. Shared, each uses every core (`local.sampler_threads` set to all of them, the behaviour
-before the split); split (the default), the sampler gets half and training the rest. This trains
-the same config both ways for `--steps` steps, in alternating rounds in one process, and prints
-the median `time/step` and `time/eval` of each and their ratio.
+process. `--compare split` (the default): shared, each uses every core (`local.sampler_threads`
+set to all of them, the behaviour before the split), against split, the sampler's half and
+training's the rest. `--compare reference`: the KL reference scored inline after the policy's
+pass (`local.overlap_reference=false`, the behaviour before), against overlapped, in its own
+thread on the sampler's share (the default). This trains the same config both ways for `--steps`
+steps, in alternating rounds in one process, and prints the median `time/step` and `time/eval`
+of each and their ratio (the old way's time over the new way's).
 
     python bench/threads.py --json runs/bench-threads.json
     python bench/threads.py --config examples/countdown/local_tool_async.yaml --steps 60
+    python bench/threads.py --compare reference --config examples/countdown/local_tool_async.yaml
 """
 
 from __future__ import annotations
@@ -53,10 +57,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--compare", choices=["split", "reference"], default="split")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     cores = torch.get_num_threads()
-    modes = {"shared": [f"local.sampler_threads={cores}"], "split": []}
+    old, new = ("shared", "split") if args.compare == "split" else ("inline", "overlap")
+    old_overrides = {
+        "split": [f"local.sampler_threads={cores}"],
+        "reference": ["local.overlap_reference=false"],
+    }[args.compare]
+    modes = {old: old_overrides, new: []}
     step: dict[str, list[float]] = {m: [] for m in modes}
     evals: dict[str, list[float]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,11 +82,16 @@ def main() -> None:
     print(f"{args.config}, {args.steps} steps x {args.rounds} rounds each, {cores} threads:")
     for name, value in medians.items():
         print(f"  {name:6s} time/step {value['step_s']:.3f} s, time/eval {value['eval_s']:.3f} s")
-    ratios = {k: medians["shared"][k] / medians["split"][k] for k in ("step_s", "eval_s")}
-    print(f"split is {ratios['step_s']:.2f}x per step, {ratios['eval_s']:.2f}x per evaluation")
+    ratios = {k: medians[old][k] / medians[new][k] for k in ("step_s", "eval_s")}
+    print(f"{new} is {ratios['step_s']:.2f}x per step, {ratios['eval_s']:.2f}x per evaluation")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        report = {"config": args.config, "steps": args.steps, "threads": cores}
+        report = {
+            "config": args.config,
+            "compare": args.compare,
+            "steps": args.steps,
+            "threads": cores,
+        }
         args.json.write_text(json.dumps({**report, "medians": medians, "ratios": ratios}, indent=2))
 
 

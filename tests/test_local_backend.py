@@ -514,3 +514,91 @@ async def test_more_sampler_threads_than_threads_is_a_config_error() -> None:
     config = async_config(local={"threads": 2, "sampler_threads": 3})
     with pytest.raises(ConfigError, match=r"local\.sampler_threads is 3, more than the 2"):
         await started(config)
+
+
+async def step_with_reference(overlap: bool, estimator: str) -> tuple[Any, list[Any], list[Any]]:
+    """One step's metrics and gradients, and where the reference was scored (thread, threads)."""
+    local = {
+        "threads": 2,
+        "micro_batch": 1,
+        "kl_estimator": estimator,
+        "overlap_reference": overlap,
+    }
+    config = async_config(local=local, trainer={"kl_coef": 0.1, "entropy_coef": 0.01})
+    backend = await started(config)
+    assert (backend._reference_pool is not None) == overlap
+    outs = [await sample(backend, p, i) for i, p in enumerate(PROMPTS[:3])]
+    with torch.no_grad():  # move the policy off the reference, so the KL term is not zero
+        for p in backend.model.parameters():
+            p.add_(0.01 * torch.randn_like(p, generator=torch.Generator().manual_seed(0)))
+    where: list[tuple[str, int]] = []
+    real = backend._score
+
+    def recording(model: torch.nn.Module, *args: Any, **kw: Any) -> Any:
+        if model is backend.reference:
+            where.append((threading.current_thread().name, torch.get_num_threads()))
+        return real(model, *args, **kw)
+
+    backend._score = recording  # type: ignore[method-assign]
+    metrics = await backend.forward_backward([group_of(outs, [1.0, -0.5, -0.5])])
+    grads = [p.grad.clone() for p in backend.model.parameters() if p.grad is not None]
+    await backend.shutdown()
+    return metrics, grads, where
+
+
+@pytest.mark.parametrize("estimator", ["k3", "full"])
+async def test_the_reference_scored_beside_the_policy_gives_the_same_step(estimator: str) -> None:
+    """Async mode scores the KL reference in its own thread on the sampler's share; the losses
+    and gradients are those of scoring it inline, micro-batch by micro-batch."""
+    inline, inline_grads, inline_where = await step_with_reference(False, estimator)
+    overlapped, overlapped_grads, overlapped_where = await step_with_reference(True, estimator)
+    assert len(inline_where) == len(overlapped_where) == 3  # one micro-batch per sample
+    assert not any(name.startswith("local-reference") for name, _ in inline_where)
+    assert all(name.startswith("local-reference") and n == 1 for name, n in overlapped_where)
+    assert overlapped == pytest.approx(inline, rel=1e-6, abs=1e-9)
+    for a, b in zip(inline_grads, overlapped_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+async def test_the_reference_is_overlapped_only_where_the_threads_are_split() -> None:
+    kl = {"kl_coef": 0.05}
+    for config, expected in [
+        (async_config(local={"threads": 2}, trainer=kl), True),
+        (async_config(local={"threads": 2}), False),  # no KL term, no reference
+        (async_config(local={"threads": 2, "sampler_threads": 2}, trainer=kl), False),  # shared
+        (local_config(**kl), False),  # sync: training has every thread
+    ]:
+        backend = await started(config)
+        assert (backend._reference_pool is not None) is expected, config.local
+        await backend.shutdown()
+        assert backend._reference_pool is None
+
+
+async def test_a_failing_pass_leaves_no_reference_work_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = async_config(local={"threads": 2, "micro_batch": 1}, trainer={"kl_coef": 0.05})
+    backend = await started(config)
+    assert backend._reference_pool is not None
+    outs = [await sample(backend, p, i) for i, p in enumerate(PROMPTS[:3])]
+    started_chunks: list[int] = []
+    real = backend._score_reference
+
+    def slow(chunk: Any) -> Any:
+        started_chunks.append(len(chunk))
+        return real(chunk)
+
+    def failing(*args: Any) -> None:
+        raise RuntimeError("policy pass failed")
+
+    monkeypatch.setattr(backend, "_score_reference", slow)
+    monkeypatch.setattr(backend, "_backward_chunk", failing)
+    with pytest.raises(RuntimeError, match="policy pass failed"):
+        await backend.forward_backward([group_of(outs, [1.0, -0.5, -0.5])])
+    count = len(started_chunks)
+    await asyncio.sleep(0.2)
+    assert len(started_chunks) == count <= 3, "no reference chunk starts after the failure"
+    monkeypatch.undo()
+    metrics = await backend.forward_backward([group_of(outs, [1.0, -0.5, -0.5])])
+    assert math.isfinite(metrics["train/loss"])
+    await backend.shutdown()

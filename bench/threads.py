@@ -1,17 +1,20 @@
-"""Async steps on the local backend: how the cores are shared between sampling and training.
+"""Async steps on the local backend: a speed setting against the behaviour before it.
 
 In async mode the sampler samples the next batch while the trainer trains on the last, in one
 process. `--compare split` (the default): shared, each uses every core (`local.sampler_threads`
 set to all of them, the behaviour before the split), against split, the sampler's half and
 training's the rest. `--compare reference`: the KL reference scored inline after the policy's
 pass (`local.overlap_reference=false`, the behaviour before), against overlapped, in its own
-thread on the sampler's share (the default). This trains the same config both ways for `--steps`
+thread on the sampler's share (the default). `--compare prefix-cache`: every prompt prefilled
+whole (`local.prefix_cache_mb=0`), against an agent's later turns reusing the keys and values of
+the conversation so far (the default). This trains the same config both ways for `--steps`
 steps, in alternating rounds in one process, and prints the median `time/step` and `time/eval`
 of each and their ratio (the old way's time over the new way's).
 
     python bench/threads.py --json runs/bench-threads.json
     python bench/threads.py --config examples/countdown/local_tool_async.yaml --steps 60
     python bench/threads.py --compare reference --config examples/countdown/local_tool_async.yaml
+    python bench/threads.py --compare prefix-cache --config examples/countdown/local_tool_async.yaml
 """
 
 from __future__ import annotations
@@ -57,14 +60,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--compare", choices=["split", "reference"], default="split")
+    parser.add_argument(
+        "--compare", choices=["split", "reference", "prefix-cache"], default="split"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     cores = torch.get_num_threads()
-    old, new = ("shared", "split") if args.compare == "split" else ("inline", "overlap")
+    old, new = {
+        "split": ("shared", "split"),
+        "reference": ("inline", "overlap"),
+        "prefix-cache": ("whole", "cached"),
+    }[args.compare]
     old_overrides = {
         "split": [f"local.sampler_threads={cores}"],
         "reference": ["local.overlap_reference=false"],
+        "prefix-cache": ["local.prefix_cache_mb=0"],
     }[args.compare]
     modes = {old: old_overrides, new: []}
     step: dict[str, list[float]] = {m: [] for m in modes}

@@ -74,6 +74,12 @@ class LocalConfig(BaseModel):
         "mode): a step 1.05x faster on 2 cores (bench/threads.py --compare reference).",
     )
     max_batch: int = Field(64, ge=1, description="Most requests the sampler batches together.")
+    prefix_cache_mb: float = Field(
+        256,
+        ge=0,
+        description="Memory for the keys and values of finished requests, reused by prompts "
+        "that extend them (an agent's next turn prefills only its new tokens); 0: off.",
+    )
     micro_batch: int = Field(
         32,
         ge=1,
@@ -249,6 +255,7 @@ class LocalBackend(BackendProtocol):
             max_batch=s.max_batch,
             partial_rollout=config.async_.partial_rollout,
             threads=self._threads.sampler,
+            prefix_cache_mb=s.prefix_cache_mb,
         )
         self.tis_cap = resolve_tis_cap(config, self.capabilities)
         self.reference = None

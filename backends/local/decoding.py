@@ -5,7 +5,9 @@ the next-token logits, `step` feeds one token per row and returns the following 
 path, `Qwen2Stepper`, re-implements the forward of Qwen2/Llama-style models directly over
 preallocated key/value tensors; at small model sizes the per-token Python overhead of the generic
 Hugging Face path dominates, and this path avoids it; it prefills rows of similar prompt length
-together (`prefill_groups`), so a batch mixing short and long prompts is not all padding.
+together (`prefill_groups`), so a batch mixing short and long prompts is not all padding, and it
+takes the keys and values of a prompt's start from an earlier request (`prefixes`, from the
+sampler's `PrefixCache`), so an agent's next turn prefills only its new tokens.
 `HFStepper` serves every other causal LM.
 Both compute in float32 and agree with the model's own full-sequence forward (the trainer's) to
 float rounding.
@@ -13,6 +15,7 @@ float rounding.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,14 +23,28 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from backends.local.prefix_cache import KeyValues
+
 __all__ = ["HFStepper", "Qwen2Stepper", "Stepper", "make_stepper", "prefill_groups"]
 
 
 class Stepper(Protocol):
     """Runs one left-padded batch through the model token by token."""
 
-    def prefill(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
-        """Consume the prompts; return the logits of the next token, [B, V]."""
+    reuses_prefixes: bool  # whether `prefill` takes `prefixes` and `saved` gives them
+
+    def prefill(
+        self,
+        ids_BL: torch.Tensor,
+        mask_BL: torch.Tensor,
+        prefixes: Sequence[KeyValues | None] | None = None,
+    ) -> torch.Tensor:
+        """Consume the prompts; return the logits of the next token, [B, V]. `prefixes[r]`, if
+        given, holds the keys and values of row r's first tokens: only the rest are run."""
+        ...
+
+    def saved(self, row: int) -> KeyValues | None:
+        """The keys and values of every token row `row` has run so far (None if not kept)."""
         ...
 
     def step(self, ids_B: torch.Tensor) -> torch.Tensor:
@@ -48,6 +65,8 @@ def make_stepper(model: PreTrainedModel, batch: int, max_len: int) -> Stepper:
 
 class Qwen2Stepper:
     """Qwen2/Llama forward over a preallocated cache (default RoPE, no sliding window)."""
+
+    reuses_prefixes = True
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
@@ -88,26 +107,47 @@ class Qwen2Stepper:
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
         self.length = 0
         self.next_pos_B = torch.zeros(batch, dtype=torch.long, device=device)
+        self.first_B: list[int] = [0] * batch  # the cache column of each row's first token
 
-    def prefill(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+    def prefill(
+        self,
+        ids_BL: torch.Tensor,
+        mask_BL: torch.Tensor,
+        prefixes: Sequence[KeyValues | None] | None = None,
+    ) -> torch.Tensor:
         B, L = ids_BL.shape
         valid = mask_BL.bool()
         pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
         self.key_bias_BT[:, :L] = torch.where(valid, 0.0, float("-inf"))
+        lengths = valid.sum(-1).tolist()
+        self.first_B = [L - n for n in lengths]
+        todo = list(lengths)  # tokens each row runs: all but a cached prefix
+        for r, prefix in enumerate(prefixes or []):
+            if prefix is not None:
+                first, n = self.first_B[r], prefix.length
+                self.k[:, r, :, first : first + n] = prefix.keys
+                self.v[:, r, :, first : first + n] = prefix.values
+                todo[r] -= n
         logits: torch.Tensor | None = None
-        # Rows of similar length run together, each group cut to its longest prompt: a batch
-        # mixing first turns with long later turns would otherwise spend most of its prefill on
-        # padding. Prompts are left-padded, so a group's tokens are the last `width` columns.
-        for rows, width in prefill_groups(valid.sum(-1).tolist()):
+        # Rows of similar length run together, each group cut to its longest run of new tokens:
+        # a batch mixing first turns with long later turns would otherwise spend most of its
+        # prefill on padding. Prompts are left-padded, so a group's new tokens are the last
+        # `width` columns, and its rows' keys the last `span` (a row's cached tokens before
+        # `width` are in the cache already; those inside it are run again, to the same values).
+        for rows, width in prefill_groups(todo):
+            span = max(lengths[r] for r in rows)
             index = torch.tensor(rows, device=ids_BL.device)
-            ids, ok = ids_BL[index, L - width :], valid[index, L - width :]
-            causal = torch.ones(width, width, dtype=torch.bool, device=ok.device).tril()
+            ids, ok = ids_BL[index, L - width :], valid[index, L - span :]
+            square = torch.ones(width, span, dtype=torch.bool, device=ok.device)
+            causal = square.tril(span - width)  # query i is the key column span - width + i
             # Pad queries may see themselves, so no row is fully masked (that would give NaNs).
-            eye = torch.eye(width, dtype=torch.bool, device=ok.device)
-            allowed = causal & (ok[:, None, :] | eye)
-            bias = torch.zeros(len(rows), 1, width, width, dtype=self.k.dtype, device=ok.device)
+            itself = causal & ~square.tril(span - width - 1)
+            allowed = causal & (ok[:, None, :] | itself)
+            bias = torch.zeros(len(rows), 1, width, span, dtype=self.k.dtype, device=ok.device)
             bias = bias.masked_fill(~allowed[:, None], -torch.inf)
-            hidden = self._forward(ids, pos_BL[index, L - width :], L - width, bias, index)
+            hidden = self._forward(
+                ids, pos_BL[index, L - width :], L - width, bias, index, keys_from=L - span
+            )
             out = self.lm_head(self.norm(hidden[:, -1]))
             if logits is None:
                 logits = out.new_empty(B, out.shape[-1])
@@ -122,7 +162,13 @@ class Qwen2Stepper:
         self.v = self.v[:, rows]
         self.key_bias_BT = self.key_bias_BT[rows]
         self.next_pos_B = self.next_pos_B[rows]
+        self.first_B = [self.first_B[r] for r in rows.tolist()]
         return True
+
+    def saved(self, row: int) -> KeyValues:
+        first = self.first_B[row]
+        keys = self.k[:, row, :, first : self.length].clone()
+        return KeyValues(keys, self.v[:, row, :, first : self.length].clone())
 
     def step(self, ids_B: torch.Tensor) -> torch.Tensor:
         t = self.length
@@ -139,8 +185,10 @@ class Qwen2Stepper:
         start: int,
         bias: torch.Tensor,
         rows: torch.Tensor | None = None,
+        keys_from: int | None = None,
     ) -> torch.Tensor:
-        """Run tokens at cache positions `start:start+S`: a prefill group's `rows`, or a step."""
+        """Run tokens at cache positions `start:start+S`: a prefill group's `rows` (attending to
+        their cache from `keys_from`, by default only to these tokens), or a step."""
         B, S = ids_BS.shape
         end = start + S
         cos, sin = self.cos[pos_BS][:, None], self.sin[pos_BS][:, None]  # [B, 1, S, D]
@@ -161,9 +209,12 @@ class Qwen2Stepper:
                 self.v[i, :, :, start:end] = v
                 keys, values = self.k[i, :, :, :end], self.v[i, :, :, :end]
                 out = self._decode_attention(q, keys, values, bias)
-            else:  # a prefill group: its rows hold nothing before `start`
+            else:  # a prefill group: its rows' cache before `keys_from` is padding
                 self.k[i, rows, :, start:end] = k
                 self.v[i, rows, :, start:end] = v
+                if keys_from is not None and keys_from < start:
+                    k = self.k[i, rows, :, keys_from:end]
+                    v = self.v[i, rows, :, keys_from:end]
                 out = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=bias, enable_gqa=self.heads != self.kv_heads
                 )
@@ -268,13 +319,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class HFStepper:
     """Any Hugging Face causal LM through its own forward and a `DynamicCache`."""
 
+    reuses_prefixes = False
+
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.cache = DynamicCache()
         self.mask_BT: torch.Tensor | None = None
         self.next_pos_B: torch.Tensor | None = None
 
-    def prefill(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+    def prefill(
+        self,
+        ids_BL: torch.Tensor,
+        mask_BL: torch.Tensor,
+        prefixes: Sequence[KeyValues | None] | None = None,
+    ) -> torch.Tensor:
+        if prefixes is not None and any(p is not None for p in prefixes):
+            raise ValueError("HFStepper runs every prompt token: it takes no cached prefixes")
         pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
         out = self.model(
             input_ids=ids_BL,
@@ -289,6 +349,9 @@ class HFStepper:
 
     def keep(self, rows: torch.Tensor) -> bool:
         return False
+
+    def saved(self, row: int) -> KeyValues | None:
+        return None
 
     def step(self, ids_B: torch.Tensor) -> torch.Tensor:
         assert self.mask_BT is not None and self.next_pos_B is not None

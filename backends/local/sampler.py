@@ -12,6 +12,10 @@ standby copy and swaps it in: a batch already running finishes on the weights it
 the next batch uses the new ones, and the sync waits for no batch (only for one still running on
 the standby copy, when two syncs land inside one batch).
 
+With a prefix cache (`prefix_cache_mb`), each finished request's keys and values are kept, and a
+prompt that extends one (an agent's next turn) prefills only its new tokens; each set of weights
+has its own entries, so every logprob is still that of the weights sampling.
+
 With `partial_rollout=True` a sync also cuts the running batch at its next token boundary: each
 unfinished request keeps the tokens and logprobs it has, goes back to the front of the queue, and
 continues in the next batch under the new weights (its prompt and tokens so far are prefilled
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +37,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from backends.local.decoding import make_stepper
+from backends.local.prefix_cache import PrefixCache
 from unified.errors import UsageError
 from unified.types import FinishReason, ModelOutput, SamplingParams
 
@@ -80,12 +86,16 @@ def generate_batch(
     version: int,
     max_positions: int | None = None,
     cut: Callable[[], bool] | None = None,
+    prefix_cache: PrefixCache | None = None,
+    generation: int = 0,
 ) -> list[ModelOutput]:
     """Sample every request of one batch; blocking (call it from a worker thread).
 
     A request with a `prefix` continues it. When `cut()` turns true (checked after each token),
     the batch stops there and its unfinished requests come back with `finish_reason="aborted"`
-    and the tokens sampled so far.
+    and the tokens sampled so far. With a `prefix_cache` (its entries computed by the weights of
+    `generation`), a prompt that starts with a sequence run before prefills only the rest, and
+    each finished request's sequence is stored for the prompts that will extend it.
     """
     for r in requests:
         check_request(r.prompt_ids, r.params, max_positions)
@@ -117,7 +127,12 @@ def generate_batch(
     eos = {t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None}
 
     stepper = make_stepper(model, B, L + max_new)
-    logits_BV = stepper.prefill(ids_BL, mask_BL).float()
+    if not stepper.reuses_prefixes:
+        prefix_cache = None
+    prefixes = None
+    if prefix_cache is not None:
+        prefixes = [prefix_cache.get(context, generation) for context in contexts]
+    logits_BV = stepper.prefill(ids_BL, mask_BL, prefixes).float()
     finish: list[FinishReason | None] = [None] * B
     rows = list(range(B))  # request index of each row still in the batch
     for t in range(max_new):
@@ -125,6 +140,7 @@ def generate_batch(
         next_B = _sample(logp_BV, greedy_B, uniforms_BN[:, t], top_p_B if any_top_p else None)
         chosen_B = logp_BV.gather(1, next_B[:, None])[:, 0]
         next_list, chosen_list = next_B.tolist(), chosen_B.tolist()
+        ended: list[tuple[int, int]] = []  # (row in the batch, request) that finished now
         for i, b in enumerate(rows):
             if finish[b] is not None:
                 continue  # finished, but still in the batch until the next compaction
@@ -136,6 +152,15 @@ def generate_batch(
                 finish[b] = "stop"
             elif len(tokens[b]) >= r.params.max_tokens:
                 finish[b] = "length"
+            if finish[b] is not None:
+                ended.append((i, b))
+        if prefix_cache is not None:
+            for i, b in ended:  # the last token was sampled, never run: it is not stored
+                kv = stepper.saved(i)
+                assert kv is not None
+                sequence = requests[b].prompt_ids + tokens[b][:-1]
+                prompt = len(requests[b].prompt_ids)
+                prefix_cache.put(sequence, kv, generation, also=prompt)
         keep = [i for i, b in enumerate(rows) if finish[b] is None]
         if not keep:
             break
@@ -225,11 +250,17 @@ def _text(
 
 
 class _Weights:
-    """One copy of the sampling weights, its policy version, and the lock a batch holds on it."""
+    """One copy of the sampling weights, its policy version, and the lock a batch holds on it.
+
+    `generation` changes with every load: what the prefix cache holds from other weights is
+    not reused, even under the same version number (a checkpoint loaded again)."""
+
+    _loads = itertools.count()
 
     def __init__(self, model: PreTrainedModel, version: int) -> None:
         self.model = model
         self.version = version
+        self.generation = next(self._loads)
         self.in_use = threading.Lock()
 
 
@@ -244,6 +275,7 @@ class BatchingSampler:
         max_batch: int = 64,
         partial_rollout: bool = False,
         threads: int | None = None,
+        prefix_cache_mb: float = 0.0,
     ) -> None:
         sampling = copy.deepcopy(model).eval()
         for p in sampling.parameters():
@@ -256,6 +288,9 @@ class BatchingSampler:
         self.max_batch = max_batch
         self.partial_rollout = partial_rollout
         self.threads = threads  # torch CPU threads of each batch; None: the worker thread's own
+        # Keys and values of finished requests, for the prompts that extend them (an agent's
+        # next turn); used only by the batch running, one at a time.
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb else None
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self.batches = 0
         self._queue: list[Request] = []
@@ -285,6 +320,7 @@ class BatchingSampler:
             with standby.in_use, torch.no_grad():
                 standby.model.load_state_dict(state_dict)
                 standby.version = version
+                standby.generation = next(_Weights._loads)
             with self._swap:
                 self._standby, self._current = self._current, standby
 
@@ -375,6 +411,8 @@ class BatchingSampler:
                 version=weights.version,
                 max_positions=self.max_positions,
                 cut=swapped if self.partial_rollout else None,
+                prefix_cache=self.prefix_cache,
+                generation=weights.generation,
             )
         finally:
             weights.in_use.release()

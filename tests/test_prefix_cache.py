@@ -14,6 +14,7 @@ from backends.local.builtin import load_policy
 from backends.local.decoding import prefill_groups
 from backends.local.prefix_cache import KeyValues, PrefixCache
 from backends.local.sampler import Request, generate_batch
+from tests.test_local_backend import teacher_forced_logprobs
 from unified.config import TrainerConfig, load_config
 from unified.types import ModelOutput, SamplingParams
 
@@ -95,15 +96,6 @@ async def conversation(backend: LocalBackend, seed: int, turns: int = 3) -> list
     return outputs
 
 
-def full_forward_logprobs(model: torch.nn.Module, output: ModelOutput) -> list[float]:
-    ids = torch.tensor([output.prompt_ids + output.completion_ids])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    start, n = len(output.prompt_ids) - 1, len(output.completion_ids)
-    logp = torch.log_softmax(logits[start : start + n], -1)
-    return logp.gather(1, torch.tensor(output.completion_ids)[:, None])[:, 0].tolist()
-
-
 async def started(prefix_cache_mb: float) -> LocalBackend:
     backend = LocalBackend()
     await backend.setup(config(prefix_cache_mb))
@@ -123,7 +115,7 @@ async def test_later_turns_reuse_the_conversation_and_sample_what_they_would_wit
         for a, b in zip(without, with_cache, strict=True):
             assert a.prompt_ids == b.prompt_ids and a.completion_ids == b.completion_ids
             assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
-            expected = full_forward_logprobs(cached.sampler.model, b)
+            expected = teacher_forced_logprobs(cached.sampler.model, b)
             assert b.logprobs == pytest.approx(expected, abs=1e-5)
     await plain.shutdown()
     await cached.shutdown()
@@ -141,7 +133,7 @@ async def test_a_weight_sync_leaves_nothing_to_reuse() -> None:
     out = await backend.rollout_engine().complete(prompt, **PARAMS, seed=4)
     cache = backend.sampler.prefix_cache
     assert cache is not None and cache.hits == 0
-    assert out.logprobs == pytest.approx(full_forward_logprobs(backend.model, out), abs=1e-5)
+    assert out.logprobs == pytest.approx(teacher_forced_logprobs(backend.model, out), abs=1e-5)
     await backend.shutdown()
 
 
@@ -172,4 +164,4 @@ def test_a_batch_mixing_cached_and_fresh_prompts_samples_what_it_would_without()
     for a, b in zip(without, with_cache, strict=True):
         assert a.completion_ids == b.completion_ids
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
-        assert b.logprobs == pytest.approx(full_forward_logprobs(model, b), abs=1e-5)
+        assert b.logprobs == pytest.approx(teacher_forced_logprobs(model, b), abs=1e-5)

@@ -89,7 +89,12 @@ class VerlBackend(BackendProtocol):
         model, self.tokenizer = await asyncio.to_thread(load_policy, str(self.model_dir))
         if self.device == "cuda":
             model = model.to("cuda")
-        self.sampler = BatchingSampler(model, self.tokenizer, max_batch=self.settings.max_batch)
+        self.sampler = BatchingSampler(
+            model,
+            self.tokenizer,
+            max_batch=self.settings.max_batch,
+            prefix_cache_mb=self.settings.prefix_cache_mb,
+        )
         self.tied = tied_aliases(model)  # not sent at a weight sync: refilled here
         overrides = hydra_overrides(config, self.settings, self.model_dir)
         composed = await asyncio.to_thread(compose_verl_config, overrides)

@@ -83,6 +83,12 @@ class VerlConfig(BaseModel):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     max_batch: int = Field(64, ge=1, description="Most requests the local sampler batches.")
+    prefix_cache_mb: float = Field(
+        256,
+        ge=0,
+        description="The local sampler's memory for finished requests' keys and values, reused "
+        "by prompts that extend them (as `local.prefix_cache_mb`); 0: off.",
+    )
     call_timeout_s: float = Field(
         1800.0, gt=0, description="Seconds one worker-group call may take before it fails."
     )

@@ -221,7 +221,6 @@ class LocalBackend(BackendProtocol):
         self._loss_finite = True
         self._training = threading.Lock()
         self._threads = Threads(torch.get_num_threads(), torch.get_num_threads())  # until setup
-        self._overlap_reference = False
         self._reference_pool: ThreadPoolExecutor | None = None
 
     async def setup(self, config: TrainerConfig) -> None:
@@ -239,7 +238,8 @@ class LocalBackend(BackendProtocol):
         overlap = self.settings.overlap_reference
         if overlap is None:
             overlap = self._threads.sampler + self._threads.training <= total
-        self._overlap_reference = overlap and config.trainer.kl_coef > 0
+        if overlap and config.trainer.kl_coef > 0:  # the pool starts its thread on first use
+            self._reference_pool = ThreadPoolExecutor(1, thread_name_prefix="local-reference")
         await asyncio.to_thread(self._load, config)
 
     def _load(self, config: TrainerConfig) -> None:
@@ -261,8 +261,6 @@ class LocalBackend(BackendProtocol):
         self.reference = None
         if config.trainer.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-        if self._overlap_reference:
-            self._reference_pool = ThreadPoolExecutor(1, thread_name_prefix="local-reference")
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=config.trainer.lr,

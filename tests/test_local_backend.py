@@ -14,6 +14,7 @@ import torch
 
 from backends.local import sampler as sampler_module
 from backends.local.backend import LocalBackend, split_threads
+from backends.local.builtin import load_policy
 from backends.local.decoding import GROUP_OVERHEAD, prefill_groups
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
@@ -100,6 +101,25 @@ async def test_sampling_honours_seed_greedy_max_tokens_and_stop() -> None:
     cut = await sample(backend, PROMPTS[2], 5, max_tokens=8, stop=[stop])
     assert stop not in cut.text and cut.finish_reason == "stop"
     await backend.shutdown()
+
+
+async def test_a_stop_string_longer_than_sixteen_tokens_still_stops_sampling() -> None:
+    backend = await started()
+    full = await sample(backend, PROMPTS[0], 0, max_tokens=40)
+    stop = full.text[-24:-2]
+    assert len(backend.tokenizer.encode(stop, add_special_tokens=False)) > 16, repr(full.text)
+    cut = await sample(backend, PROMPTS[0], 0, max_tokens=40, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == full.text[:-24]
+    assert len(cut.completion_ids) < len(full.completion_ids), "sampling ended at the stop"
+    await backend.shutdown()
+
+
+def test_end_tokens_include_every_one_the_generation_config_names() -> None:
+    model, tokenizer = load_policy("builtin:tiny", seed=0)
+    specials = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    assert sampler_module._end_tokens(model, tokenizer) == specials
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, 7, 9]
+    assert sampler_module._end_tokens(model, tokenizer) == specials | {7, 9}
 
 
 async def test_sampler_keeps_old_weights_until_the_policy_update() -> None:

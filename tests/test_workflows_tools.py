@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-from collections.abc import Sequence
+import sys
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import pytest
+from pydantic import BaseModel
 
 from tests.agents import LOOKUP_CALL, LookupBanditWorkflow, ScriptedEngine, ToolBanditBackend
 from tests.bandit import bandit_tasks
@@ -93,6 +97,7 @@ def test_calls_are_parsed_in_order_and_a_reply_without_one_is_an_answer() -> Non
         ('<tool_call>{"arguments": {}}</tool_call>', "needs {"),
         ('<tool_call>{"name": "add", "arguments": [1]}</tool_call>', "must be an object"),
         ('<tool_call>{"name": "add", "arguments": {}}', "not closed"),
+        ("<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>", "nested too deeply"),
     ],
 )
 def test_a_malformed_call_is_parsed_into_an_error_not_raised(text: str, error: str) -> None:
@@ -120,6 +125,79 @@ async def test_tool_failures_become_error_results_the_model_reads() -> None:
 async def test_a_tool_past_its_timeout_becomes_an_error_result() -> None:
     (result,) = await run_tool_calls([ToolCall("hang", {"mode": "stuck"})], TOOLS, timeout_s=0.05)
     assert not result.ok and result.content == "error: tool 'hang' timed out after 0.05 s"
+
+
+async def test_a_misspelt_argument_is_a_bad_call_not_a_default() -> None:
+    (result,) = await run_tool_calls([ToolCall("add", {"a": 1, "bb": 2})], TOOLS, timeout_s=5)
+    assert not result.ok and "bad arguments for 'add': bb:" in result.content
+
+
+class Point(BaseModel):
+    x: float
+    y: float
+
+
+async def test_a_parameter_typed_as_a_model_reaches_the_tool_as_that_model() -> None:
+    def norm1(p: Point) -> float:
+        """The L1 norm of a point."""
+        return abs(p.x) + abs(p.y)
+
+    tools = {"norm1": Tool.from_function(norm1)}
+    (result,) = await run_tool_calls([ToolCall("norm1", {"p": {"x": 1, "y": -2}})], tools, 5)
+    assert (result.ok, result.content) == (True, "3.0")
+
+
+async def test_exit_and_a_cancelled_error_inside_a_tool_become_error_results() -> None:
+    def quits(code: int) -> str:
+        """Model-written code that calls exit()."""
+        sys.exit(code)
+
+    async def cancels() -> str:
+        """Raise CancelledError without being cancelled."""
+        raise asyncio.CancelledError
+
+    tools = {t.name: t for t in map(Tool.from_function, (quits, cancels))}
+    results = await run_tool_calls([ToolCall("quits", {"code": 3}), ToolCall("cancels")], tools, 5)
+    assert [r.content for r in results] == [
+        "error: SystemExit: 3",
+        "error: tool 'cancels' raised CancelledError",
+    ]
+
+
+async def test_an_async_tool_behind_a_sync_decorator_is_awaited() -> None:
+    def logged(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(**kwargs: Any) -> Any:
+            return fn(**kwargs)
+
+        return wrapper
+
+    @logged
+    async def double(n: int) -> int:
+        """Twice n."""
+        return 2 * n
+
+    tools = {"double": Tool.from_function(double)}
+    (result,) = await run_tool_calls([ToolCall("double", {"n": 4})], tools, 5)
+    assert (result.ok, result.content) == (True, "8")
+
+
+async def test_sync_tools_stuck_past_their_timeout_hold_no_shared_thread() -> None:
+    release = threading.Event()
+
+    def stuck() -> str:
+        """Never return (until the test ends)."""
+        release.wait(30)
+        return "late"
+
+    tools = {"stuck": Tool.from_function(stuck)}
+    try:
+        results = await run_tool_calls([ToolCall("stuck")] * 16, tools, timeout_s=0.05)
+        assert all("timed out" in r.content for r in results)
+        async with asyncio.timeout(5):  # the default executor (sampler, backend calls) is free
+            assert await asyncio.gather(*[asyncio.to_thread(int, "1") for _ in range(16)])
+    finally:
+        release.set()
 
 
 class Adder(ToolWorkflow):

@@ -47,11 +47,13 @@ def _parse_one(body: str) -> ToolCall:
         call = json.loads(body)
     except json.JSONDecodeError as e:
         return ToolCall(name="", error=f"tool call is not valid JSON ({e.msg} at char {e.pos})")
+    except RecursionError:  # a policy repeating "[" nests past the parser's depth
+        return ToolCall(name="", error="tool call is nested too deeply")
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return ToolCall(name="", error='tool call needs {"name": str, "arguments": {...}}')
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # some models emit the arguments as a JSON string
-        with contextlib.suppress(json.JSONDecodeError):
+        with contextlib.suppress(json.JSONDecodeError, RecursionError):
             arguments = json.loads(arguments)
     if not isinstance(arguments, dict):
         got = type(arguments).__name__

@@ -3,7 +3,8 @@
 Tools are plain functions (sync or async) with type hints; the OpenAI function schema comes from
 the signature (pydantic) and the docstring (first paragraph: the description; an `Args:` section:
 the parameters'). Every call the model writes (format: `workflows.tool_calls`) is validated
-against that schema and run under `tool_timeout_s`; sync tools run in a worker thread. The rule
+against that schema and run under `tool_timeout_s`; sync tools run in a daemon thread of their
+own, so a tool that never returns holds neither the sampler nor the interpreter's exit. The rule
 this module keeps: a tool that raises, times out, or is called wrongly becomes an error message
 the model reads in its next turn, never a crashed episode. Tool results are `role: tool`
 messages, prompt tokens of the next turn: they never carry loss.
@@ -21,8 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from unified.backend_calls import in_daemon_thread
 from unified.types import Task
 from workflows.multi_turn import Environment, MultiTurnWorkflow, Observation
 from workflows.tool_calls import ToolCall, parse_tool_calls, tools_prompt
@@ -53,7 +55,11 @@ class Tool:
                 raise TypeError(f"tool {fn.__name__}: parameter {name!r} needs a type hint")
             default = ... if parameter.default is inspect.Parameter.empty else parameter.default
             fields[name] = (hints[name], Field(default, description=parameter_docs.get(name)))
-        model = create_model(f"{fn.__name__}_arguments", **fields)
+        model = create_model(
+            f"{fn.__name__}_arguments",
+            __config__=ConfigDict(extra="forbid"),  # a misspelt argument is an error, not a default
+            **fields,
+        )
         return cls(name=fn.__name__, description=description, fn=fn, arguments=model)
 
     def schema(self) -> dict[str, Any]:
@@ -73,11 +79,15 @@ class Tool:
 
     async def call(self, arguments: dict[str, Any]) -> str:
         """Validate `arguments`, run the tool (sync ones in a thread), return its result as text."""
-        values = self.arguments.model_validate(arguments).model_dump()
+        validated = self.arguments.model_validate(arguments)
+        # Attributes, not `model_dump()`: a parameter typed as a model stays that model.
+        values = {name: getattr(validated, name) for name in type(validated).model_fields}
         if inspect.iscoroutinefunction(self.fn):
             result = await self.fn(**values)
         else:
-            result = await asyncio.to_thread(self.fn, **values)
+            result = await in_daemon_thread(functools.partial(self.fn, **values))
+        if inspect.isawaitable(result):  # an async tool behind a sync decorator
+            result = await result
         return result if isinstance(result, str) else json.dumps(result, default=str)
 
 
@@ -145,8 +155,20 @@ async def _run_one(call: ToolCall, tools: dict[str, Tool], timeout_s: float) -> 
             f"{'.'.join(map(str, err['loc'])) or 'arguments'}: {err['msg']}" for err in e.errors()
         )
         return failed(f"bad arguments for {call.name!r}: {problems}")
-    except Exception as e:  # the tool's own failure is the model's observation, not a crash
+    except asyncio.CancelledError:
+        if _being_cancelled():
+            raise
+        return failed(f"tool {call.name!r} raised CancelledError")
+    # The tool's own failure is the model's observation, not a crash; that includes model-written
+    # code calling exit(). KeyboardInterrupt still ends the run.
+    except (Exception, SystemExit) as e:
         return failed(f"{type(e).__name__}: {e}")
+
+
+def _being_cancelled() -> bool:
+    """Whether this task was cancelled from outside (a CancelledError the tool raised is not)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class ToolWorkflow(MultiTurnWorkflow):

@@ -124,7 +124,7 @@ def generate_batch(
     uniforms_BN = torch.stack(
         [_uniforms(r.params.seed, n + max_new)[n:] for r, n in zip(requests, offsets, strict=True)]
     ).to(device)
-    eos = {t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None}
+    eos = _end_tokens(model, tokenizer)
 
     stepper = make_stepper(model, B, L + max_new)
     if not stepper.reuses_prefixes:
@@ -234,8 +234,21 @@ def _sample(
 def _hit_stop(tokenizer: PreTrainedTokenizerBase, ids: list[int], stop: list[str]) -> bool:
     if not stop:
         return False
-    tail = tokenizer.decode(ids[-16:])
+    # Every token spells at least one byte, and a character at most four: a window of this many
+    # tokens holds any stop string that ends in it.
+    window = max(16, 4 * max(len(s) for s in stop))
+    tail = tokenizer.decode(ids[-window:])
     return any(s in tail for s in stop)
+
+
+def _end_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The ids that end a completion: the tokenizer's end and pad tokens, and every end token the
+    model's generation config names (chat models often have several, e.g. end-of-turn ids)."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        configured = [configured]
+    ids = (tokenizer.eos_token_id, tokenizer.pad_token_id, *(configured or ()))
+    return {t for t in ids if t is not None}
 
 
 def _text(

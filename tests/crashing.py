@@ -103,7 +103,7 @@ def countdown_config(run_dir: Path, name: str, mode: str, **trainer: Any) -> dic
             "eval_every": 0,
             "eval_before_train": False,
             "save_every": 2,
-            "stall_timeout": 60,
+            "stall_timeout": 90,
             "workflow_timeout": 60,
             **trainer,
         },

@@ -66,6 +66,10 @@ ROWS: dict[str, tuple[Setup, str]] = {
     "wrong type": (override("trainer.batch_size=lots"), "config key 'trainer.batch_size'"),
     "negative staleness": (override("async.max_staleness=-1"), "greater than or equal to 0"),
     "micro batch > batch": (override("trainer.micro_batch_size=99"), "micro_batch_size (99)"),
+    "stall clock under an episode's": (
+        override("trainer.stall_timeout=30", "trainer.workflow_timeout=60"),
+        "trainer.stall_timeout (30) must exceed trainer.workflow_timeout (60)",
+    ),
     "unknown mode": (override("mode=turbo"), "config key 'mode'"),
     "unknown loss": (override("trainer.loss=nope"), "config key 'trainer.loss'"),
     "error rate > 1": (override("trainer.max_error_rate=2"), "trainer.max_error_rate"),

@@ -145,6 +145,21 @@ async def test_wait_without_progress_fails_with_a_stall_error_that_says_who_wait
         await groups.next_ready()
 
 
+async def test_episodes_finishing_one_by_one_keep_the_stall_clock_from_firing() -> None:
+    groups = buffer(coordinator(), [], stall_timeout_s=0.1)
+    ticket, _ = groups.dispatch()
+
+    async def one_by_one() -> None:
+        for index in range(2):  # the group ends 0.16 s in: past the clock, progressing all along
+            await asyncio.sleep(0.08)
+            groups.add_episode(ticket, episode(index, reward=float(index)))
+
+    async with asyncio.timeout(5), asyncio.TaskGroup() as group:
+        group.create_task(one_by_one())
+        taken, _ = await groups.next_ready()
+    assert taken == ticket
+
+
 async def test_admission_outwaits_the_stall_clock_while_the_trainer_is_busy() -> None:
     c = coordinator(max_staleness=0)
     groups = buffer(c, [], stall_timeout_s=0.05)

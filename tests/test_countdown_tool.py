@@ -165,6 +165,7 @@ def test_the_tool_agent_trains_end_to_end(make_config: ConfigFactory, mode: str)
             "filter_groups": False,
             "eval_every": 2,
             "workflow_timeout": 120,  # up to three model calls each, on a loaded 2-core CI machine
+            "stall_timeout": 300,
         },
         sampling={"train": {"max_tokens": 16}, "eval": {"max_tokens": 16}},
     )

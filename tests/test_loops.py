@@ -280,7 +280,12 @@ def test_weight_sync_never_waits_for_running_workflows(make_config: ConfigFactor
 
     config = make_config(
         mode="async",
-        trainer={"total_steps": 6, "stall_timeout": 5, "filter_groups": False},
+        trainer={
+            "total_steps": 6,
+            "stall_timeout": 5,
+            "workflow_timeout": 4,
+            "filter_groups": False,
+        },
         async_={"max_staleness": 1, "sync_every": 1},
     )
     result = fit(config, backend, workflow=first_one_waits_for_a_sync)
@@ -385,6 +390,45 @@ def test_metrics_jsonl_uses_the_contract_names(make_config: ConfigFactory) -> No
         missing = set(METRIC_NAMES) - set(m) - {"eval/accuracy"}
         assert not missing, f"step {m['step']} lacks {sorted(missing)}"
     assert all("eval/accuracy" in m for m in lines if m["step"] % 2 == 0)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_rollout_rates_cover_the_time_a_slow_save_takes(
+    make_config: ConfigFactory, mode: str
+) -> None:
+    class SlowSave(BanditBackend):
+        async def save_checkpoint(self, directory: Path) -> None:
+            await asyncio.sleep(0.2)
+            await super().save_checkpoint(directory)
+
+    config = make_config(mode=mode, trainer={"total_steps": 3, "save_every": 1})
+    lines = metrics_lines(fit(config, SlowSave()).run_dir)
+    for m in lines[1:]:  # each after a 0.2 s save, in which the next groups were generated
+        assert m["rollout/idle_ratio"] <= 1.0
+        # At most two windows of 2 groups x 4 episodes x 2 tokens in an interval of >= 0.2 s.
+        assert m["throughput/tokens_per_s"] <= 2 * 2 * 4 * 2 / 0.2
+
+
+def test_the_metrics_sinks_close_when_the_backend_shutdown_or_the_loop_set_up_fails(
+    make_config: ConfigFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from unified.errors import DataError
+    from unified.metrics import MetricsAggregator
+
+    closed: list[MetricsAggregator] = []
+    close = MetricsAggregator.close
+    monkeypatch.setattr(MetricsAggregator, "close", lambda self: (closed.append(self), close(self)))
+
+    class FailingShutdown(BanditBackend):
+        async def shutdown(self) -> None:
+            raise RuntimeError("shutdown failed")
+
+    with pytest.raises(RuntimeError, match="shutdown failed"):
+        fit(make_config(trainer={"total_steps": 1}), FailingShutdown())
+    assert len(closed) == 1
+    with pytest.raises(DataError, match="empty dataset"):
+        fit(make_config(name="empty"), BanditBackend(), train_tasks=[])
+    assert len(closed) == 2, "the sinks opened before the loop failed to set up"
 
 
 def test_a_failing_metrics_write_ends_the_run_and_checkpoints_hold_written_lines(

@@ -148,3 +148,19 @@ async def test_a_cancellation_from_outside_is_not_turned_into_a_timeout() -> Non
     run.cancel()
     with pytest.raises(asyncio.CancelledError):
         await run
+
+
+async def test_a_cancelled_error_the_workflow_raises_of_its_own_is_an_error_episode() -> None:
+    async def lets_one_out(task: Task, model: RolloutEngine) -> Trajectory:
+        inner = asyncio.create_task(asyncio.sleep(10))  # a client library's request, cancelled
+        await asyncio.sleep(0)
+        inner.cancel()
+        await inner
+        raise AssertionError("unreachable")
+
+    episode, error = await run_episode(
+        lets_one_out, TASK, engine(), rollout_index=1, version=0, deadlines=WorkflowDeadlines(5)
+    )
+    assert episode.status == "error" and "without being cancelled" in (episode.error or "")
+    assert isinstance(error, RuntimeError) and isinstance(error.__cause__, asyncio.CancelledError)
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]

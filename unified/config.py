@@ -123,7 +123,10 @@ class TrainerSection(_Section):
         description="Stop and re-raise when this fraction of episodes errors or times out.",
     )
     stall_timeout: float = Field(
-        600.0, gt=0, description="Seconds any wait may go without progress before it fails."
+        600.0,
+        gt=0,
+        description="Seconds any wait may go without progress (a group changing state, an "
+        "episode finishing) before it fails; must exceed workflow_timeout.",
     )
     backend_timeout: float = Field(
         900.0,
@@ -260,6 +263,12 @@ class TrainerConfig(_Section):
             raise ValueError(
                 f"trainer.micro_batch_size ({t.micro_batch_size}) must be <= trainer.batch_size "
                 f"({t.batch_size})"
+            )
+        if t.stall_timeout <= t.workflow_timeout:
+            raise ValueError(
+                f"trainer.stall_timeout ({t.stall_timeout:g}) must exceed "
+                f"trainer.workflow_timeout ({t.workflow_timeout:g}): a wait on episodes that "
+                "legitimately take that long would fail as a stall; raise trainer.stall_timeout"
             )
         if t.loss == "cross_entropy" and isinstance(t.tis_cap, float):
             raise ValueError(

@@ -8,10 +8,12 @@ training requests around it untouched.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from unified.backend_calls import BackendCalls
 from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig
 from unified.data import load_eval_tasks
@@ -137,11 +139,18 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
         await asyncio.to_thread(
             RunDirectory.check_matches, source, backend=config.backend, model=config.model
         )
+    # The trainer's deadlines and retries on every backend call: a stuck backend fails the
+    # command instead of hanging it.
+    calls = BackendCalls(backend, config.trainer, describe=lambda: "unified eval")
+
+    async def load(directory: Path) -> None:
+        await calls.call("load_checkpoint", functools.partial(backend.load_checkpoint, directory))
+
     try:
-        await backend.setup(config)
+        await calls.call("setup", functools.partial(backend.setup, config))
         version = 0
         if source is not None:
-            state = await RunDirectory.load_checkpoint(source, backend.load_checkpoint)
+            state = await RunDirectory.load_checkpoint(source, load)
             version = state.version
         return await evaluate(
             workflow,
@@ -154,4 +163,4 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
             slots=WorkflowSlots.for_config(config),
         )
     finally:
-        await backend.shutdown()
+        await calls.call("shutdown", backend.shutdown)

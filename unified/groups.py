@@ -85,6 +85,7 @@ class TrajectoryGroupBuffer:
         self._ready: list[tuple[GroupTicket, TrajectoryGroup]] = []  # a heap, oldest first
         self._ended: list[EndedGroup] = []
         self._changed = asyncio.Event()
+        self._progress_at = time.monotonic()
         self._idle_since: float | None = time.monotonic()
         self._idle_s = 0.0
 
@@ -118,6 +119,7 @@ class TrajectoryGroupBuffer:
 
     def add_episode(self, ticket: GroupTicket, episode: Episode) -> None:
         """One finished episode; the group ends when its `group_size`-th episode arrives."""
+        self._progress_at = time.monotonic()  # progress for the stall clock, short of a change
         episodes = self._episodes[ticket.group_id]
         episodes.append(episode)
         if len(episodes) < self.group_size:
@@ -253,22 +255,30 @@ class TrajectoryGroupBuffer:
     async def wait_until(
         self, predicate: Callable[[], bool], what: str, *, stall_clock: bool = True
     ) -> None:
-        """Wait until `predicate()` holds; fail if nothing changes for `stall_timeout_s`.
+        """Wait until `predicate()` holds; fail if nothing progresses for `stall_timeout_s`.
 
-        Every state change restarts the clock. `stall_clock=False` waits without it, for waits
-        that only the trainer itself can end (admission, while it evaluates or saves).
+        Every state change and every finished episode restarts the clock. `stall_clock=False`
+        waits without it, for waits that only the trainer itself can end (admission, while it
+        evaluates or saves).
         """
-        limit = self._stall_timeout_s if stall_clock else None
+        limit = self._stall_timeout_s
+        since = time.monotonic()
         while not predicate():
             changed = self._changed
-            try:
-                async with asyncio.timeout(limit):
-                    await changed.wait()
-            except TimeoutError:
-                raise StallError(
-                    f"waited {limit:g} s for {what} with no progress ({self.describe()}); "
-                    "raise trainer.stall_timeout if steps are legitimately this slow"
-                ) from None
+            if not stall_clock:
+                await changed.wait()
+                continue
+            while not changed.is_set():
+                quiet_until = max(since, self._progress_at) + limit
+                try:
+                    async with asyncio.timeout(quiet_until - time.monotonic()):
+                        await changed.wait()
+                except TimeoutError:
+                    if self._progress_at + limit <= time.monotonic():
+                        raise StallError(
+                            f"waited {limit:g} s for {what} with no progress ({self.describe()}); "
+                            "raise trainer.stall_timeout if steps are legitimately this slow"
+                        ) from None
 
     def describe(self) -> str:
         """Who is where, for error messages: versions, groups generating, ready and taken."""
@@ -280,6 +290,7 @@ class TrajectoryGroupBuffer:
 
     def _notify(self) -> None:
         # Replace the event so each waiter re-checks its predicate exactly once per change.
+        self._progress_at = time.monotonic()
         self._changed.set()
         self._changed = asyncio.Event()
 

@@ -120,7 +120,7 @@ class TrainingLoop:
         self._episodes_failed = 0
         self._tokens = 0
         self._time_up = False
-        self._started = self._step_started = time.monotonic()
+        self._started = self._step_started = self._rates_started = time.monotonic()
         self.stop_signal: int | None = None
         """The signal number `request_stop` was called with, once it was."""
         self._saved_step = 0  # the step of the newest checkpoint; step 0 needs none
@@ -162,7 +162,7 @@ class TrainingLoop:
         if self.step == 0 and settings.eval_before_train and self.eval_tasks and not stopping:
             await self._log(await self._evaluate())
         self.groups.set_wanted(self._groups_wanted(0))
-        self._step_started = self._started = time.monotonic()
+        self._step_started = self._started = self._rates_started = time.monotonic()
         self.groups.take_idle_seconds()
 
     async def run(self) -> None:
@@ -343,7 +343,12 @@ class TrainingLoop:
             self.groups.open_window(self.coordinator.version)
         self.groups.set_wanted(self._groups_wanted(0))
         staleness = [version - group.policy_version for _, group in items]
-        step_s = time.monotonic() - self._step_started
+        now = time.monotonic()
+        step_s = now - self._step_started
+        # The rollouts run on through evaluation and saving, which no step's time counts: their
+        # rates cover the whole time since the last step's, so a slow save neither inflates them
+        # nor hides the tokens made during it.
+        rates_s, self._rates_started = now - self._rates_started, now
         budget = settings.max_time_s
         # Decided once per step, so the final eval and save see the same answer as the loop.
         self._time_up = budget is not None and time.monotonic() - self._started >= budget
@@ -361,6 +366,7 @@ class TrainingLoop:
             }
         )
         per_step = 1.0 / step_s if step_s > 0 else 0.0
+        per_interval = 1.0 / rates_s if rates_s > 0 else 0.0
         timing = {
             "step": float(self.step),
             "policy/version": float(self.coordinator.version),
@@ -368,10 +374,10 @@ class TrainingLoop:
             "time/generate": wait_s,
             "time/train": train_s,
             "time/sync": sync_s,
-            "throughput/tokens_per_s": self._tokens * per_step,
+            "throughput/tokens_per_s": self._tokens * per_interval,
             # Every second not spent training or syncing, the trainer was waiting on something.
             "trainer/idle_ratio": max(0.0, step_s - train_s - sync_s) * per_step,
-            "rollout/idle_ratio": self.groups.take_idle_seconds() * per_step,
+            "rollout/idle_ratio": min(1.0, self.groups.take_idle_seconds() * per_interval),
         }
         self._tokens = 0
         metrics = {**self.metrics.flush(), **timing}

@@ -232,17 +232,27 @@ async def run_episode(
     """Run one workflow; return its episode and, if it failed, the original exception.
 
     A run past its deadline is cancelled and becomes `status="timeout"`; a cancellation that
-    came from elsewhere (the run is ending) propagates.
+    came from elsewhere (the run is ending) propagates; a `CancelledError` the workflow raised of
+    its own is an error like any other.
     """
     current = deadlines.start()
     cancelling = current.cancelling()
     try:
         result = await workflow(task, model)
         trajectories = _as_trajectories(result)
-    except asyncio.CancelledError:
-        if not deadlines.finish(current) or current.uncancel() > cancelling:
+    except asyncio.CancelledError as e:
+        if deadlines.finish(current):
+            if current.uncancel() > cancelling:
+                raise
+            return _timed_out(task, rollout_index, version, deadlines.timeout_s)
+        if current.cancelling() > cancelling:
             raise
-        return _timed_out(task, rollout_index, version, deadlines.timeout_s)
+        # Nobody cancelled this run: the workflow let out the cancellation of something it
+        # awaited. Re-raised, it would end the task silently and its group would never fill.
+        message = "CancelledError: the workflow raised it without being cancelled"
+        stray = RuntimeError(message)
+        stray.__cause__ = e
+        return _failed(task, rollout_index, version, "error", message), stray
     except Exception as e:
         if deadlines.finish(current):
             current.uncancel()  # the workflow turned our cancellation into an error of its own

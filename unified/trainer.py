@@ -122,15 +122,20 @@ class UnifiedTrainer:
             checkpoint = await asyncio.to_thread(
                 self.run.create, self.config.to_yaml(), resume=self.config.resume
             )
-            loop = TrainingLoop(
-                self.config,
-                self.workflow,
-                self.backend,
-                train_tasks=self.train_tasks,
-                eval_tasks=self.eval_tasks,
-                run=self.run,
-                metrics=await asyncio.to_thread(metrics_for, self.config, self.run.resumed_step),
-            )
+            metrics = await asyncio.to_thread(metrics_for, self.config, self.run.resumed_step)
+            try:
+                loop = TrainingLoop(
+                    self.config,
+                    self.workflow,
+                    self.backend,
+                    train_tasks=self.train_tasks,
+                    eval_tasks=self.eval_tasks,
+                    run=self.run,
+                    metrics=metrics,
+                )
+            except BaseException:
+                await asyncio.to_thread(metrics.close)  # the loop would have closed its sinks
+                raise
             self._loop = loop
             if self._stop_signal is not None:
                 loop.request_stop(self._stop_signal)
@@ -148,12 +153,13 @@ class UnifiedTrainer:
             self._loop = None
         try:
             await calls.call("shutdown", self.backend.shutdown)
-            if loop is not None:
-                await loop.close()
         except Exception as e:
-            if error is None:
-                raise
-            error.add_note(f"unified: the backend's shutdown also failed: {e!r}")
+            error = _also(error, e, "the backend's shutdown")
+        if loop is not None:  # whatever the shutdown did: the metrics written, the sinks closed
+            try:
+                await loop.close()
+            except Exception as e:
+                error = _also(error, e, "closing the metrics")
         if error is not None:
             if fresh and isinstance(error, UsageError) and (loop is None or loop.step == 0):
                 # Bad input found before the first step: leave no half-written run behind.
@@ -161,6 +167,14 @@ class UnifiedTrainer:
             raise error
         assert loop is not None
         return TrainResult(steps=loop.step, metrics=loop.last_metrics, run_dir=self.run.path)
+
+
+def _also(error: BaseException | None, failure: Exception, what: str) -> BaseException:
+    """`failure` as the run's error, or a note on the error already ending the run."""
+    if error is None:
+        return failure
+    error.add_note(f"unified: {what} also failed: {failure!r}")
+    return error
 
 
 def _interrupted(loop: TrainingLoop, run: RunDirectory) -> TrainingInterrupted:

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from unified.config import TrainerConfig
 from unified.errors import WorkerError, WorkflowError
@@ -357,6 +357,9 @@ class WorkerPool:
                     return episode_result
             except (RayActorError, TimeoutError):
                 self._lose(worker)
+            except RayTaskError as e:  # the worker is fine; this episode's result could not be
+                message = f"the rollout worker could not run or return it: {e}"  # (unpicklable)
+                return _failed(task, index, version, message), e, 0
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):
                     ray.cancel(result)
@@ -364,14 +367,7 @@ class WorkerPool:
             finally:
                 worker.in_flight -= 1
         message = f"its rollout worker died {_ATTEMPTS} times running this episode"
-        episode = Episode(
-            task_id=task.id,
-            rollout_index=index,
-            status="error",
-            error=message,
-            policy_version=version,
-        )
-        return episode, WorkerError(message), 0
+        return _failed(task, index, version, message), WorkerError(message), 0
 
     async def _live_worker(self) -> _Worker:
         while not self._live:
@@ -380,9 +376,22 @@ class WorkerPool:
                     f"every rollout worker died and rollout.max_worker_restarts="
                     f"{self._settings.max_worker_restarts} are used up; see the Ray logs"
                 )
-            async with asyncio.timeout(self._call_timeout_s):
-                await self._some_live.wait()
+            # A replacement's start has its own call_timeout_s: wait past it, for its outcome.
+            try:
+                async with asyncio.timeout(2 * self._call_timeout_s):
+                    await self._some_live.wait()
+            except TimeoutError:
+                raise WorkerError(
+                    f"no rollout worker was live for {2 * self._call_timeout_s:g} s "
+                    "(twice trainer.stall_timeout); see the Ray logs"
+                ) from None
         return min(self._live, key=_in_flight)
+
+
+def _failed(task: Task, index: int, version: int, message: str) -> Episode:
+    return Episode(
+        task_id=task.id, rollout_index=index, status="error", error=message, policy_version=version
+    )
 
 
 def start_local_ray(num_cpus: int) -> None:

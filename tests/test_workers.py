@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,22 @@ class DiesOnce(PidCountdown):
         if not self.marker.exists():
             self.marker.write_text(str(os.getpid()))
             os._exit(1)
+        return trajectory
+
+
+class UnpicklableOnce(PidCountdown):
+    """The first episode's result holds a lock, which no pickle carries back from its worker."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    async def run(self, task: Task, model: RolloutEngine) -> Trajectory:
+        trajectory = await super().run(task, model)
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))  # once, across the workers
+        except FileExistsError:
+            return trajectory
+        trajectory.steps[0].info["lock"] = threading.Lock()
         return trajectory
 
 
@@ -169,6 +186,21 @@ def test_killing_a_worker_mid_run_loses_no_episode(
         indices = sorted(e.rollout_index for e in group.episodes)
         assert indices == list(range(GROUP)), f"group {group.task_id} has rollouts {indices}"
         assert all(e.status == "ok" for e in group.episodes)
+
+
+@pytest.mark.usefixtures("private_ray")
+def test_an_episode_whose_result_cannot_come_back_is_an_error_not_the_end(
+    make_config: ConfigFactory, tmp_path: Path
+) -> None:
+    marker = tmp_path / "sent"
+    config = countdown_on_two_workers(make_config)
+    trainer = UnifiedTrainer(config, workflow=UnpicklableOnce(marker), backend=LocalBackend())
+
+    result = trainer.fit()
+
+    assert marker.exists() and result.steps == STEPS
+    lines = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").open()]
+    assert sum(line["episodes/errors"] for line in lines) == 1.0
 
 
 @pytest.mark.usefixtures("private_ray")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
@@ -172,6 +173,19 @@ async def test_the_server_process_serves_until_its_stdin_closes(tmp_path: Path) 
         code = await process.wait()
     assert code == 0, f"the server exited with {code} when its stdin closed"
     await server.stop()
+
+
+async def test_stop_ends_the_server_in_order_and_a_terminal_ctrl_c_does_not_reach_it(
+    tmp_path: Path,
+) -> None:
+    server = ServerProcess("builtin:tiny", store=tmp_path / "store")
+    await server.start(timeout_s=120)
+    process = server._process
+    assert process is not None
+    # Ctrl-C goes to the terminal's process group: the trainer's, not the server's.
+    assert os.getpgid(process.pid) != os.getpgid(0)
+    await server.stop(timeout_s=DEADLINE_S)
+    assert process.returncode == 0, "stopped by its stdin closing, not killed"
 
 
 async def test_a_server_process_that_cannot_load_its_model_is_one_clear_error(

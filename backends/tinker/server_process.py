@@ -52,6 +52,9 @@ class ServerProcess:
             *self.args,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
+            # Its own session: a Ctrl-C at the terminal reaches the trainer, which stops in order
+            # and needs the server for its last step and checkpoint; the server ends with stdin.
+            start_new_session=True,
         )
         assert process.stdout is not None
         try:
@@ -76,7 +79,10 @@ class ServerProcess:
             return
         try:
             async with asyncio.timeout(timeout_s):
-                # Closes stdin, reads stdout to its end and waits: the pipes close with it.
+                # End of input is the child's signal to stop (`communicate()` without input
+                # leaves stdin open on Python 3.11); then read stdout to its end and wait.
+                if process.stdin is not None:
+                    process.stdin.close()
                 await process.communicate()
         except TimeoutError:
             process.kill()

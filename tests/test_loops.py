@@ -17,6 +17,7 @@ from tests.bandit import BanditBackend, bandit_tasks, heavy_tailed_latency, mult
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.checkpoint import LedgerEntry, RunDirectory
+from unified.errors import UsageError
 from unified.metrics import METRIC_NAMES
 from unified.protocol import BackendCapabilities, RolloutEngine
 from unified.trainer import TrainingStopped
@@ -429,6 +430,17 @@ def test_the_metrics_sinks_close_when_the_backend_shutdown_or_the_loop_set_up_fa
     with pytest.raises(DataError, match="empty dataset"):
         fit(make_config(name="empty"), BanditBackend(), train_tasks=[])
     assert len(closed) == 2, "the sinks opened before the loop failed to set up"
+
+
+def test_resuming_with_another_model_is_refused_and_leaves_the_run_as_it_was(
+    make_config: ConfigFactory,
+) -> None:
+    config = make_config(model="first", trainer={"total_steps": 2, "save_every": 1})
+    run_dir = fit(config, BanditBackend()).run_dir
+    written = (run_dir / "config.yaml").read_text()
+    with pytest.raises(UsageError, match="was trained with model='first', but the config says"):
+        fit({**config, "resume": True, "model": "second"}, BanditBackend())
+    assert (run_dir / "config.yaml").read_text() == written
 
 
 def test_a_failing_metrics_write_ends_the_run_and_checkpoints_hold_written_lines(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
@@ -218,3 +219,31 @@ def test_tinker_serve_with_a_failing_model_provider_is_one_clear_line(
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "model provider 'tests.model_providers:broken_model' failed: RuntimeError" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--faults", "{bad"], "--faults is not JSON"),
+        (["--faults", '{"nope": 1}'], "--faults: nope: Extra inputs are not permitted"),
+        (["--max-batch", "0"], "argument --max-batch: must be at least 1, got 0"),
+        (["--keep-samplers", "0"], "argument --keep-samplers: must be at least 1, got 0"),
+    ],
+)
+def test_tinker_serve_refuses_bad_arguments_in_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = main([*argv, "--port", "0"])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_tinker_serve_on_a_port_in_use_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code = main(["--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err

@@ -85,6 +85,14 @@ class RunDirectory:
                 f"run directory {str(self.path)!r} already holds a run; set resume=true to "
                 "continue it, pick another name=..., or delete the directory"
             )
+        if resume:  # before config.yaml is rewritten: it is what says what the run trained
+            ours = yaml.safe_load(config_yaml) or {}
+            _check_made_by(
+                self.path / "config.yaml",
+                f"run {str(self.path)!r}",
+                backend=ours.get("backend"),
+                model=ours.get("model"),
+            )
         self.path.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.path / "config.yaml", config_yaml)
         checkpoint = self.latest_checkpoint() if resume else None
@@ -149,16 +157,7 @@ class RunDirectory:
     def check_matches(checkpoint: Path, *, backend: str, model: str) -> None:
         """Refuse a checkpoint whose run trained another backend or model (its `config.yaml`)."""
         made_by = checkpoint.parent.parent / "config.yaml"
-        if not made_by.is_file():
-            return
-        run_config = yaml.safe_load(made_by.read_text()) or {}
-        for key, ours in (("backend", backend), ("model", model)):
-            theirs = run_config.get(key)
-            if theirs is not None and theirs != ours:
-                raise UsageError(
-                    f"checkpoint {str(checkpoint)!r} was trained with {key}={theirs!r}, but the "
-                    f"config says {key}={ours!r}; pass {key}={theirs}"
-                )
+        _check_made_by(made_by, f"checkpoint {str(checkpoint)!r}", backend=backend, model=model)
 
     @staticmethod
     async def load_checkpoint(
@@ -216,6 +215,20 @@ def _replace_dir(src: Path, dst: Path) -> None:
     if dst.exists():
         shutil.rmtree(dst)
     os.replace(src, dst)
+
+
+def _check_made_by(made_by: Path, what: str, *, backend: str | None, model: str | None) -> None:
+    """Refuse to go on from `what` if its `config.yaml` names another backend or model."""
+    if not made_by.is_file():
+        return
+    run_config = yaml.safe_load(made_by.read_text()) or {}
+    for key, ours in (("backend", backend), ("model", model)):
+        theirs = run_config.get(key)
+        if theirs is not None and theirs != ours:
+            raise UsageError(
+                f"{what} was trained with {key}={theirs!r}, but the config says {key}={ours!r}; "
+                f"pass {key}={theirs}"
+            )
 
 
 def _write_atomic(path: Path, text: str) -> None:

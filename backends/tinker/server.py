@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 import sys
 import threading
@@ -26,6 +27,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backends.tinker.faults import FaultInjector, Faults
@@ -264,7 +266,14 @@ class LocalServer:
         self.service = LocalTinker(model, store, max_batch=max_batch, keep_samplers=keep_samplers)
         self._ready = threading.Event()
         self.app = create_app(self.service, api_key=api_key, faults=faults, ready=self._ready)
-        self._socket = socket.create_server((host, port))
+        try:
+            self._socket = socket.create_server((host, port))
+        except OSError as e:
+            raise UsageError(
+                f"the local Tinker server cannot listen on {host}:{port} "
+                f"({os.strerror(e.errno) if e.errno else e}); pick "
+                "another port (0 picks a free one)"
+            ) from None
         self.host, self.port = self._socket.getsockname()[:2]
         config = uvicorn.Config(self.app, log_level="warning", lifespan="on")
         self._server = uvicorn.Server(config)
@@ -324,6 +333,23 @@ def _stop_at_eof(server: LocalServer) -> None:
     server.stop()
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _parse_faults(text: str) -> Faults:
+    try:
+        return Faults.model_validate(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--faults is not JSON ({e.msg} at char {e.pos})") from None
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+        raise UsageError(f"--faults: {problems}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`unified tinker-serve`: serve a model over the Tinker protocol until interrupted."""
     parser = argparse.ArgumentParser(
@@ -338,8 +364,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--api-key", default=None, help="require this X-API-Key (tml-...)")
     parser.add_argument("--store", type=Path, default=DEFAULT_STORE, help="tinker:// paths")
-    parser.add_argument("--max-batch", type=int, default=64, help="most requests per batch")
-    parser.add_argument("--keep-samplers", type=int, default=8, help="weight snapshots kept")
+    parser.add_argument(
+        "--max-batch", type=_at_least_one, default=64, help="most requests per batch"
+    )
+    parser.add_argument(
+        "--keep-samplers", type=_at_least_one, default=8, help="weight snapshots kept"
+    )
     parser.add_argument("--faults", default=None, help='JSON, e.g. {"http_500_rate": 0.1}')
     parser.add_argument(
         "--exit-with-stdin",
@@ -347,10 +377,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="stop when stdin closes (a parent process that dies takes the server with it)",
     )
     args = parser.parse_args(argv)
-    faults = Faults.model_validate(json.loads(args.faults)) if args.faults else None
     from unified.cli import run_command
 
     def serve() -> int:
+        faults = _parse_faults(args.faults) if args.faults else None
         server = LocalServer(
             resolve_model_spec(args.model),
             host=args.host,

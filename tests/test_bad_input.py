@@ -57,6 +57,12 @@ def existing_run(tmp: Path) -> list[str]:
     return []
 
 
+def run_dir_a_file(tmp: Path) -> list[str]:
+    (tmp / "runs").mkdir()
+    write(tmp / "runs" / RUN, "not a directory\n")
+    return []
+
+
 ROWS: dict[str, tuple[Setup, str]] = {
     # configs
     "config file missing": (lambda tmp: ["--config", str(tmp / "nope.yaml")], "does not exist"),
@@ -87,6 +93,7 @@ ROWS: dict[str, tuple[Setup, str]] = {
         "keys are read from the environment only",
     ),
     "run already exists": (existing_run, "already holds a run"),
+    "run directory a file": (run_dir_a_file, "is a file; check logging.run_dir and name"),
     # datasets
     "dataset missing": (override("data.train=/no/such/tasks.jsonl"), "does not exist"),
     "dataset empty": (train_file("empty.jsonl", ""), "data.train is empty"),

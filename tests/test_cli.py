@@ -154,6 +154,7 @@ def test_eval_refuses_a_checkpoint_of_another_backend(
         (["--checkpoint", "no/such/run"], "is neither a checkpoint"),
         (["data.eval=null"], "unified eval needs eval tasks"),
         (["--json", "no/such/folder/eval.json"], "its folder does not exist"),
+        (["--json", "."], "is a folder; give a file path"),
     ],
 )
 def test_eval_bad_input_is_one_line_and_exit_code_2(

@@ -186,6 +186,8 @@ def test_all_filtered_groups_end_the_run_with_a_clear_message(make_config: Confi
             fit(config, backend, workflow=never_rewarded)
         assert not [e for e in backend.events if e[0] == "optim_step"], "zero trained steps"
         assert backend.shutdown_called
+        run_dir = Path(config["logging"]["run_dir"]) / mode
+        assert not run_dir.exists(), "a run that trained nothing leaves no directory to rerun over"
 
 
 def test_every_dispatched_group_ends_once_with_filtering_and_errors(
@@ -387,6 +389,7 @@ def test_metrics_jsonl_uses_the_contract_names(make_config: ConfigFactory) -> No
     result = fit(config, BanditBackend(), eval_tasks=bandit_tasks(3, prefix="e"))
     lines = metrics_lines(result.run_dir)
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    assert all(type(m["step"]) is int for m in lines), "steps are written as integers"
     for m in lines:
         missing = set(METRIC_NAMES) - set(m) - {"eval/accuracy"}
         assert not missing, f"step {m['step']} lacks {sorted(missing)}"

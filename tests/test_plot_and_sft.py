@@ -30,6 +30,13 @@ def test_plot_of_a_directory_without_metrics_is_a_usage_error(tmp_path: Path) ->
         plot_run(tmp_path)
 
 
+def test_plot_of_a_live_run_skips_the_line_being_written(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.2}\n{"step": 2, "rew')
+    assert plot_run(tmp_path).is_file()
+    with pytest.raises(UsageError, match="its folder does not exist"):
+        plot_run(tmp_path, tmp_path / "missing" / "curves.png")
+
+
 def test_sft_command_trains_and_writes_a_loadable_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -52,3 +59,19 @@ def test_sft_command_trains_and_writes_a_loadable_model(
     assert tokenizer.decode(tokenizer.encode("1+2")) == "1+2"
     lines = (tmp_path / "runs" / "sft" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3 and "train/loss" in json.loads(lines[-1])
+    assert main(["sft", str(config)]) == 2, "a second run under the same name"
+    assert "already holds a run" in capsys.readouterr().err
+    assert len((tmp_path / "runs" / "sft" / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_sft_on_a_backend_that_cannot_export_fails_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "sft.yaml"
+    config.write_text(
+        "name: sft\nbackend: tests.bandit:BanditBackend\nworkflow: tests.bandit:BanditWorkflow\n"
+        f"logging: {{run_dir: {tmp_path / 'runs'}, console: false}}\n"
+    )
+    assert main(["sft", str(config)]) == 2
+    assert "cannot do; fine-tune with backend=local or backend=verl" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists(), "nothing trained, nothing written"

@@ -34,6 +34,7 @@ CallName = Literal[
     "save_checkpoint",
     "load_checkpoint",
     "shutdown",
+    "export_model",
 ]
 
 

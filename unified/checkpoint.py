@@ -80,6 +80,10 @@ class RunDirectory:
         dropping the ledger and metrics lines it does not hold (that work is redone) and the
         temporary directories of checkpoints a crash interrupted.
         """
+        if self.path.exists() and not self.path.is_dir():
+            raise UsageError(
+                f"run directory {str(self.path)!r} is a file; check logging.run_dir and name"
+            )
         if self.path.exists() and any(self.path.iterdir()) and not resume:
             raise UsageError(
                 f"run directory {str(self.path)!r} already holds a run; set resume=true to "
@@ -93,7 +97,13 @@ class RunDirectory:
                 backend=ours.get("backend"),
                 model=ours.get("model"),
             )
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise UsageError(
+                f"cannot make run directory {str(self.path)!r}: a file is in the way; check "
+                "logging.run_dir and name"
+            ) from None
         _write_atomic(self.path / "config.yaml", config_yaml)
         checkpoint = self.latest_checkpoint() if resume else None
         if resume:

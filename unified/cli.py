@@ -205,6 +205,8 @@ def _eval(
     config = load_config(config_path, overrides)
     if json_path and not Path(json_path).parent.is_dir():
         raise UsageError(f"--json {json_path!r}: its folder does not exist; create it first")
+    if json_path and Path(json_path).is_dir():
+        raise UsageError(f"--json {json_path!r} is a folder; give a file path, e.g. eval.json")
     source = Path(checkpoint) if checkpoint else None
     metrics = asyncio.run(run_eval(config, checkpoint=source))
     text = json.dumps(metrics, indent=2)

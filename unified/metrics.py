@@ -291,7 +291,8 @@ class JsonlSink:
         self._file = path.open("a", encoding="utf-8")
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        record = {"step": step, **{key: _json_value(value) for key, value in metrics.items()}}
+        values = {key: _json_value(value) for key, value in metrics.items() if key != "step"}
+        record = {"step": step, **values}  # the step as the integer it is, whatever `metrics` say
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 

@@ -27,7 +27,18 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UsageError(f"{str(run_dir)!r} has no metrics.jsonl; give a run directory runs/<name>")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.splitlines()
+    if text and not text.endswith("\n"):
+        lines = lines[:-1]  # a line still being written (a live run): not a step yet
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{str(path)!r} line {number} is not JSON ({e.msg})") from None
     if not rows:
         raise UsageError(f"{str(path)!r} is empty: the run logged no step yet")
     import matplotlib
@@ -46,6 +57,8 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
         ax.grid(alpha=0.3)
     fig.suptitle(run_dir.name)
     target = Path(output) if output is not None else run_dir / "curves.png"
+    if not target.parent.is_dir():
+        raise UsageError(f"--output {str(target)!r}: its folder does not exist; create it first")
     staged = target.with_name(f".{target.name}.tmp.png")
     fig.savefig(staged, dpi=110)
     plt.close(fig)

@@ -9,13 +9,16 @@ The result is exported with `backend.export_model` (a Hugging Face directory for
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from pathlib import Path
 from typing import Any
 
+from unified.backend_calls import BackendCalls
+from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig
 from unified.data import TaskSampler, load_tasks
-from unified.errors import DataError
+from unified.errors import DataError, UsageError
 from unified.metrics import metrics_for
 from unified.model_provider import resolve_model
 from unified.protocol import BackendProtocol, RolloutEngine, check_capabilities, create_backend
@@ -70,32 +73,43 @@ async def run_sft(
     config.trainer.loss = "cross_entropy"
     backend = backend if backend is not None else create_backend(config.backend)
     check_capabilities(config, backend)
+    if type(backend).export_model is BackendProtocol.export_model:
+        raise UsageError(
+            f"unified sft ends by exporting the model, which backend {backend.name!r} cannot do; "
+            "fine-tune with backend=local or backend=verl"
+        )
     tasks = (
         examples if examples is not None else await asyncio.to_thread(load_tasks, config.data.train)
     )
     sampler = TaskSampler(tasks, seed=config.trainer.seed)
-    await asyncio.to_thread(config.run_path.mkdir, parents=True, exist_ok=True)
+    # A run directory of its own, as training's: never appended to another run's metrics.
+    await asyncio.to_thread(RunDirectory(config.run_path).create, config.to_yaml(), resume=False)
     metrics = await asyncio.to_thread(metrics_for, config)
+    calls = BackendCalls(backend, config.trainer, describe=lambda: "unified sft")
     try:
-        await backend.setup(config)
+        await calls.call("setup", functools.partial(backend.setup, config))
         engine = backend.rollout_engine()
         for step in range(config.trainer.total_steps):
             started = time.monotonic()
             groups = [
                 example_group(engine, task) for task in sampler.take(config.trainer.batch_size)
             ]
-            metrics.record_many(await backend.forward_backward(groups))
+            metrics.record_many(
+                await calls.metrics(
+                    "forward_backward", functools.partial(backend.forward_backward, groups)
+                )
+            )
             backend.set_learning_rate(learning_rate(config.trainer, step))
-            metrics.record_many(await backend.optim_step())
+            metrics.record_many(await calls.metrics("optim_step", backend.optim_step))
             values = metrics.flush() | {
                 "step": float(step + 1),
                 "time/step": time.monotonic() - started,
             }
             await asyncio.to_thread(metrics.log, step + 1, values)
-        await backend.export_model(output)
+        await calls.call("export_model", functools.partial(backend.export_model, output))
     finally:
         try:
-            await backend.shutdown()
+            await calls.call("shutdown", backend.shutdown)
         finally:
             await asyncio.to_thread(metrics.close)
     return output

@@ -27,7 +27,7 @@ from unified.backend_calls import BackendCalls
 from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig, load_config
 from unified.data import check_fields, load_eval_tasks, load_tasks
-from unified.errors import TrainingInterrupted, TrainingStopped, UsageError
+from unified.errors import TrainingInterrupted, TrainingStopped
 from unified.loop import TrainingLoop
 from unified.metrics import metrics_for
 from unified.model_provider import model_provider, resolve_model
@@ -161,8 +161,9 @@ class UnifiedTrainer:
             except Exception as e:
                 error = _also(error, e, "closing the metrics")
         if error is not None:
-            if fresh and isinstance(error, UsageError) and (loop is None or loop.step == 0):
-                # Bad input found before the first step: leave no half-written run behind.
+            if fresh and (loop is None or loop.step == 0):
+                # Bad input, a stop or a failure before the first step: a run that trained
+                # nothing leaves no directory behind to block the next try under its name.
                 await asyncio.to_thread(shutil.rmtree, self.run.path, True)
             raise error
         assert loop is not None

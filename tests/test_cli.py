@@ -82,6 +82,24 @@ def test_dry_run_prints_the_resolved_config_and_the_checks(
     assert not (tmp_path / "runs").exists(), "a dry run writes nothing"
 
 
+@pytest.mark.parametrize(
+    ("config", "override", "expected"),
+    [
+        ("local_sync", "local.foo=1", "config key 'local.foo'"),
+        ("local_sync", "model=/no/such/model", "model directory '/no/such/model' does not exist"),
+        ("local_sync", "model=builtin:huge", "unknown built-in model 'builtin:huge'"),
+        ("tinker_sync", "tinker.lora_rank=0", "config key 'tinker.lora_rank'"),
+        ("tinker_sync", "sampling.train.temperature=0.7", "sampling.train.temperature=0.7"),
+    ],
+)
+def test_dry_run_checks_the_backend_section_and_the_model(
+    capsys: pytest.CaptureFixture[str], config: str, override: str, expected: str
+) -> None:
+    path = Path(__file__).parent.parent / "examples" / "countdown" / f"{config}.yaml"
+    code, _, err = run(capsys, "train", str(path), "--dry-run", override)
+    assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_train_writes_config_metrics_and_ledger(
     capsys: pytest.CaptureFixture[str], demo: list[str], tmp_path: Path
 ) -> None:

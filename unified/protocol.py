@@ -147,6 +147,11 @@ class BackendProtocol(ABC):
         """Write the trained policy where users can load it (e.g. a Hugging Face directory)."""
         raise NotImplementedError(f"backend {self.name!r} cannot export its model")
 
+    def check_config(self, config: TrainerConfig) -> None:  # noqa: B027 - optional hook
+        """Refuse what this backend cannot run in `config` beyond its capabilities: its own
+        section (`local:`, `tinker:`, `verl:`) and the model spec. Called at start-up and by
+        `--dry-run`; cheap: no model loaded, no server reached. The default accepts it all."""
+
 
 def create_backend(spec: str) -> BackendProtocol:
     """Instantiate a backend by registry name (entry point group `unified.backends`) or path."""
@@ -178,7 +183,8 @@ def create_backend(spec: str) -> BackendProtocol:
 
 
 def check_capabilities(config: TrainerConfig, backend: BackendProtocol) -> None:
-    """Raise `CapabilityError` naming the first knob of `config` that `backend` cannot honour."""
+    """Raise `CapabilityError` naming the first knob of `config` that `backend` cannot honour,
+    then let the backend check its own section and the model (`check_config`)."""
     from unified.errors import CapabilityError
 
     caps, trainer, async_ = backend.capabilities, config.trainer, config.async_
@@ -209,6 +215,9 @@ def check_capabilities(config: TrainerConfig, backend: BackendProtocol) -> None:
         raise refuse(
             "async.max_concurrency", async_.max_concurrency, f"its limit is {caps.max_concurrency}"
         )
+    check_config = getattr(backend, "check_config", None)  # duck-typed backends may lack it
+    if check_config is not None:
+        check_config(config)
 
 
 def resolve_tis_cap(config: TrainerConfig, capabilities: BackendCapabilities) -> float | None:

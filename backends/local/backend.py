@@ -28,7 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors.torch import load_file, save_file
 
-from backends.local.builtin import chat_prompt_ids, load_policy, save_policy
+from backends.local.builtin import chat_prompt_ids, check_model_spec, load_policy, save_policy
 from backends.local.losses import (
     LossAggregation,
     full_kl,
@@ -39,6 +39,7 @@ from backends.local.losses import (
 from backends.local.sampler import BatchingSampler
 from unified.config import TrainerConfig
 from unified.errors import BackendError, ConfigError
+from unified.model_provider import is_model_provider
 from unified.protocol import (
     BackendCapabilities,
     BackendProtocol,
@@ -105,6 +106,16 @@ class LocalConfig(BaseModel):
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     seed: int = Field(0, description="Seed of built-in model initialisation.")
+
+
+def _local_settings(config: TrainerConfig) -> LocalConfig:
+    """The `local:` section, or a one-line `ConfigError` naming its first bad key."""
+    try:
+        return LocalConfig.model_validate(config.local)
+    except ValidationError as e:
+        first = e.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"config key 'local.{key}': {first['msg']}") from None
 
 
 class Threads(NamedTuple):
@@ -223,13 +234,13 @@ class LocalBackend(BackendProtocol):
         self._threads = Threads(torch.get_num_threads(), torch.get_num_threads())  # until setup
         self._reference_pool: ThreadPoolExecutor | None = None
 
+    def check_config(self, config: TrainerConfig) -> None:
+        _local_settings(config)
+        if not is_model_provider(config.model):  # a provider's directory is checked once built
+            check_model_spec(config.model)
+
     async def setup(self, config: TrainerConfig) -> None:
-        try:
-            self.settings = LocalConfig.model_validate(config.local)
-        except ValidationError as e:
-            first = e.errors()[0]
-            key = ".".join(str(p) for p in first["loc"])
-            raise ConfigError(f"config key 'local.{key}': {first['msg']}") from None
+        self.settings = _local_settings(config)
         self.config = config
         # Read here, on the caller's thread: a worker thread may hold a count set by a sampler
         # batch or a training pass of an earlier run in this process.

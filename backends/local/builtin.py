@@ -225,6 +225,19 @@ def build_model(
         return Qwen2ForCausalLM(config)
 
 
+def check_model_spec(spec: str) -> None:
+    """Raise the `UsageError` `load_policy(spec)` would, without loading anything."""
+    if is_builtin(spec):
+        if spec.removeprefix(BUILTIN_PREFIX) not in BUILTIN_SIZES:
+            raise UsageError(f"unknown built-in model {spec!r}; use one of {_builtin_names()}")
+    elif not spec.strip():
+        raise UsageError(
+            f"model spec is empty; pass a local model directory or one of {_builtin_names()}"
+        )
+    else:
+        _model_directory(spec)
+
+
 def load_policy(
     spec: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -235,19 +248,14 @@ def load_policy(
     """
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
+    check_model_spec(spec)
     if is_builtin(spec):
         size = spec.removeprefix(BUILTIN_PREFIX)
-        if size not in BUILTIN_SIZES:
-            raise UsageError(f"unknown built-in model {spec!r}; use one of {_builtin_names()}")
         builtin_tokenizer = build_tokenizer()
         model = build_model(size, seed=seed, tokenizer=builtin_tokenizer)
         model.to(dtype=dtype)  # type: ignore[call-arg]  # transformers wraps `to` untypably
         model.train(False)
         return model, builtin_tokenizer
-    if not spec.strip():
-        raise UsageError(
-            f"model spec is empty; pass a local model directory or one of {_builtin_names()}"
-        )
     directory = _model_directory(spec)
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)

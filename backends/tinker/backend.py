@@ -96,10 +96,10 @@ class TinkerBackend(BackendProtocol):
     # -- set-up -------------------------------------------------------------------------------
 
     async def setup(self, config: TrainerConfig) -> None:
+        self.check_config(config)
         self.settings = settings = TinkerConfig.from_section(config.tinker)
         self.config = config
         self.lr = config.trainer.lr
-        self._check_config(config)
         key = os.environ.get(settings.api_key_env) or None
         register(key)
         base_url = settings.base_url
@@ -143,7 +143,8 @@ class TinkerBackend(BackendProtocol):
             )
         self._publish(await self._new_sampling_client(), version=0)
 
-    def _check_config(self, config: TrainerConfig) -> None:
+    def check_config(self, config: TrainerConfig) -> None:
+        TinkerConfig.from_section(config.tinker)
         temperature = config.sampling.train.temperature
         if config.trainer.loss != "cross_entropy" and temperature != 1.0:
             raise ConfigError(

@@ -80,6 +80,9 @@ class VerlBackend(BackendProtocol):
 
     # -- set-up -------------------------------------------------------------------------------
 
+    def check_config(self, config: TrainerConfig) -> None:
+        parse_verl_config(config)
+
     async def setup(self, config: TrainerConfig) -> None:
         self.settings = parse_verl_config(config)
         self.config = config

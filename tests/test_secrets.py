@@ -54,7 +54,9 @@ def test_a_planted_key_is_in_no_file_of_the_run_and_no_output(
 ) -> None:
     assert main(train_argv(tmp_path, workflow)) == code
     out, err = capsys.readouterr()
-    assert (tmp_path / "runs" / "bandit-demo" / "config.yaml").is_file(), "the run was written"
+    written = (tmp_path / "runs" / "bandit-demo" / "config.yaml").is_file()
+    # A run failing before its first step leaves no directory: then only the output can leak.
+    assert written == (code == 0), "the run was written if and only if it trained"
     assert leaks(tmp_path / "runs", out, err) == [], "the key leaked"
     if code:
         assert f"tool refused key {MASK}" in err and "Traceback" in err, err

@@ -130,7 +130,6 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
         raise ConfigError("unified eval needs eval tasks: set data.eval (a file or a generator)")
     workflow = resolve_workflow(config.workflow)
     backend = create_backend(config.backend)
-    check_capabilities(config, backend)
     config = await asyncio.to_thread(resolve_model, config)
     tasks = await asyncio.to_thread(load_eval_tasks, config.data)
     source = None
@@ -139,6 +138,7 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
         await asyncio.to_thread(
             RunDirectory.check_matches, source, backend=config.backend, model=config.model
         )
+    check_capabilities(config, backend)  # after: a checkpoint of another run says more
     # The trainer's deadlines and retries on every backend call: a stuck backend fails the
     # command instead of hanging it.
     calls = BackendCalls(backend, config.trainer, describe=lambda: "unified eval")

@@ -204,6 +204,10 @@ def test_an_unreachable_server_is_one_clear_error(
     config = load_config(tinker_config("http://127.0.0.1:9"))
     with pytest.raises(UsageError, match=r"cannot reach http://127.0.0.1:9"):
         asyncio.run(backend.setup(config))
+    # With a key and no tinker.base_url, where the SDK would go ($TINKER_BASE_URL here).
+    monkeypatch.setenv("TINKER_BASE_URL", "http://127.0.0.1:9")
+    with pytest.raises(UsageError, match=r"cannot reach http://127.0.0.1:9"):
+        asyncio.run(TinkerBackend().setup(load_config(tinker_config(None))))
 
 
 def test_the_folded_entropy_bonus_keeps_the_policy_more_random(

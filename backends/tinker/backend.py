@@ -26,6 +26,7 @@ from typing import Any, ClassVar, TypeVar
 import httpx
 import numpy as np
 import tinker
+from tinker.lib.base_url import resolve_base_url
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from backends.local.backend import LocalEngine
@@ -110,8 +111,9 @@ class TinkerBackend(BackendProtocol):
             raise UsageError(
                 f"tinker: no API key for {base_url}; set {settings.api_key_env}=tml-..."
             )
-        if base_url is not None:
-            await self._check_reachable(base_url)
+        # Also where the SDK goes without one ($TINKER_BASE_URL or Tinker's service): its own
+        # retries would take request_timeout_s a try to report a network that is down.
+        await self._check_reachable(base_url or resolve_base_url(None))
         self.base_url = base_url
         self.base_model = settings.base_model or config.model
         try:

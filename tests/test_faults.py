@@ -172,6 +172,17 @@ def test_a_skipped_step_is_counted_and_training_goes_on(make_config: ConfigFacto
     assert skipped == {1, 2}, "the ledger says which steps' groups were not applied"
 
 
+def test_a_bad_step_the_backend_cannot_skip_is_recorded_as_applied(
+    make_config: ConfigFactory,
+) -> None:
+    result = fit(make_config(trainer={"max_bad_steps": 5, "total_steps": 2}), NanGradient())
+    ledger = RunDirectory(result.run_dir).read_ledger()
+    reasons = {e.reason for e in ledger if e.outcome == "trained"}
+    assert reasons == {
+        "update applied (the backend cannot skip it): non-finite loss or gradient norm"
+    }
+
+
 def test_more_bad_steps_in_a_row_than_allowed_stop_the_run(make_config: ConfigFactory) -> None:
     config = make_config(trainer={"max_bad_steps": 2, "total_steps": 10})
     with pytest.raises(

@@ -328,13 +328,16 @@ class TrainingLoop:
         train_started = time.monotonic()
         self.backend.set_learning_rate(learning_rate(settings, self.step))
         reply = await self.calls.metrics("optim_step", self.backend.optim_step)
-        skipped = self._count_bad_step(reply)
+        bad, skipped = self._count_bad_step(reply)
         self.metrics.record_many(reply)
         train_s = forward_s + time.monotonic() - train_started
         self.step += 1
         for _, group in items:
             self._record_rewards([e.reward for e in group.episodes])
-        reason = "update skipped: non-finite loss or gradient norm" if skipped else ""
+        reason = ""
+        if bad:  # a backend that cannot drop the gradients (tinker) applies the update anyway
+            done = "update skipped" if skipped else "update applied (the backend cannot skip it)"
+            reason = f"{done}: non-finite loss or gradient norm"
         await self.groups.write_trained(items, self.step, version, reason=reason)
         sync_s = 0.0
         if self.step % self.config.async_.sync_every == 0:
@@ -362,7 +365,7 @@ class TrainingLoop:
                 "staleness/mean": sum(staleness) / len(staleness),
                 "staleness/max": float(max(staleness)),
                 "optim/lr": learning_rate(settings, self.step - 1),
-                "train/skipped_steps": float(skipped),
+                "train/skipped_steps": float(bad),  # bad steps; the ledger says if applied
             }
         )
         per_step = 1.0 / step_s if step_s > 0 else 0.0
@@ -399,15 +402,15 @@ class TrainingLoop:
         self.groups.open_window(version)
         return time.monotonic() - started
 
-    def _count_bad_step(self, reply: dict[str, float]) -> bool:
-        """Whether this step's update was skipped for a NaN/inf loss or gradient norm; past
-        `max_bad_steps` such steps in a row, stop the run."""
-        skipped_by_backend = reply.pop("train/skipped_steps", 0.0) > 0
-        bad = skipped_by_backend or not self._loss_finite or not finite(reply, "train/grad_norm")
+    def _count_bad_step(self, reply: dict[str, float]) -> tuple[bool, bool]:
+        """Whether this step had a NaN/inf loss or gradient norm, and whether the backend skipped
+        its update for it; past `max_bad_steps` bad steps in a row, stop the run."""
+        skipped = reply.pop("train/skipped_steps", 0.0) > 0
+        bad = skipped or not self._loss_finite or not finite(reply, "train/grad_norm")
         self._loss_finite = True
         if not bad:
             self._bad_steps_in_a_row = 0
-            return False
+            return False, False
         self._bad_steps_in_a_row += 1
         limit = self.config.trainer.max_bad_steps
         if self._bad_steps_in_a_row > limit:
@@ -418,7 +421,7 @@ class TrainingLoop:
                 f"{limit}: the policy diverged or the rewards/advantages are broken; lower "
                 "trainer.lr, check the workflow's rewards, or raise trainer.max_bad_steps"
             )
-        return True
+        return True, skipped
 
     # -- bookkeeping ------------------------------------------------------------------------------
 

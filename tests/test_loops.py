@@ -446,6 +446,17 @@ def test_resuming_with_another_model_is_refused_and_leaves_the_run_as_it_was(
     assert (run_dir / "config.yaml").read_text() == written
 
 
+def test_resuming_with_another_spelling_of_the_model_directory_is_accepted(
+    make_config: ConfigFactory, tmp_path: Path
+) -> None:
+    (tmp_path / "model").mkdir()
+    config = make_config(model=str(tmp_path / "model"), trainer={"total_steps": 2, "save_every": 1})
+    fit(config, BanditBackend())
+    respelled = {**config, "resume": True, "model": f"{tmp_path}/./model/"}
+    respelled["trainer"] = {**config["trainer"], "total_steps": 3}
+    assert fit(respelled, BanditBackend()).steps == 3
+
+
 def test_a_failing_metrics_write_ends_the_run_and_checkpoints_hold_written_lines(
     make_config: ConfigFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -64,6 +64,26 @@ def test_sft_command_trains_and_writes_a_loadable_model(
     assert len((tmp_path / "runs" / "sft" / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+def test_a_failed_sft_leaves_nothing_that_blocks_the_retry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"id": "e0", "messages": [{"role": "user", "content": "x"}]}) + "\n")
+    config = tmp_path / "sft.yaml"
+    config.write_text(
+        "name: sft\nbackend: local\nworkflow: examples.countdown.workflow:CountdownWorkflow\n"
+        f"model: builtin:tiny\ndata: {{train: {data}}}\n"
+        "trainer: {total_steps: 1, batch_size: 1}\n"
+        f"logging: {{run_dir: {tmp_path / 'runs'}, console: false}}\n"
+    )
+    assert main(["sft", str(config)]) == 2
+    assert "with at least one message before the assistant reply" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "sft").exists()
+    reply = {"role": "assistant", "content": "y"}
+    data.write_text(json.dumps({"id": "e0", "messages": [{"role": "user", "content": "x"}, reply]}))
+    assert main(["sft", str(config)]) == 0, capsys.readouterr().err
+
+
 def test_sft_on_a_backend_that_cannot_export_fails_before_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

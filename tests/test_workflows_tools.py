@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import json
 import sys
@@ -180,6 +181,19 @@ async def test_an_async_tool_behind_a_sync_decorator_is_awaited() -> None:
     tools = {"double": Tool.from_function(double)}
     (result,) = await run_tool_calls([ToolCall("double", {"n": 4})], tools, 5)
     assert (result.ok, result.content) == (True, "8")
+
+
+EPISODE: contextvars.ContextVar[str] = contextvars.ContextVar("episode", default="none")
+
+
+async def test_a_sync_tool_sees_the_context_variables_of_its_episode() -> None:
+    def which() -> str:
+        """The episode this call belongs to."""
+        return EPISODE.get()
+
+    EPISODE.set("episode-7")
+    (result,) = await run_tool_calls([ToolCall("which")], {"which": Tool.from_function(which)}, 5)
+    assert result.content == "episode-7"
 
 
 async def test_sync_tools_stuck_past_their_timeout_hold_no_shared_thread() -> None:

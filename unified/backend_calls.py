@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import math
 import numbers
 import threading
@@ -106,6 +107,7 @@ async def in_daemon_thread(fn: Callable[[], T]) -> T:
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
+    context = contextvars.copy_context()  # as `asyncio.to_thread` does: the caller's variables
 
     def settle(result: T | None, error: BaseException | None) -> None:
         if future.done():
@@ -117,7 +119,7 @@ async def in_daemon_thread(fn: Callable[[], T]) -> T:
 
     def run() -> None:
         try:
-            outcome: tuple[T | None, BaseException | None] = (fn(), None)
+            outcome: tuple[T | None, BaseException | None] = (context.run(fn), None)
         except BaseException as e:
             outcome = (None, e)
         with contextlib.suppress(RuntimeError):  # the loop closed while this thread was stuck

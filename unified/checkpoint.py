@@ -72,6 +72,8 @@ class RunDirectory:
         """Lines in the ledger: those kept on resume plus those appended since."""
         self.resumed_step: int | None = None
         """With resume: the checkpoint's step (-1 without one); later steps' metrics are redone."""
+        self.created = False
+        """Whether `create` made the directory (so a run that trains nothing may remove it)."""
 
     def create(self, config_yaml: str, *, resume: bool) -> Path | None:
         """Make the directory and write `config.yaml`; refuse to overwrite an unrelated run.
@@ -98,7 +100,18 @@ class RunDirectory:
                 model=ours.get("model"),
             )
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.path.mkdir()
+                self.created = True
+            except FileExistsError:
+                if not self.path.is_dir():
+                    raise
+                if any(self.path.iterdir()) and not resume:  # another process made it just now
+                    raise UsageError(
+                        f"run directory {str(self.path)!r} already holds a run; pick another "
+                        "name=..."
+                    ) from None
         except (FileExistsError, NotADirectoryError):
             raise UsageError(
                 f"cannot make run directory {str(self.path)!r}: a file is in the way; check "
@@ -234,11 +247,19 @@ def _check_made_by(made_by: Path, what: str, *, backend: str | None, model: str 
     run_config = yaml.safe_load(made_by.read_text()) or {}
     for key, ours in (("backend", backend), ("model", model)):
         theirs = run_config.get(key)
-        if theirs is not None and theirs != ours:
+        if theirs is not None and theirs != ours and not _same_directory(theirs, ours):
             raise UsageError(
                 f"{what} was trained with {key}={theirs!r}, but the config says {key}={ours!r}; "
                 f"pass {key}={theirs}"
             )
+
+
+def _same_directory(a: object, b: object) -> bool:
+    """Whether two model specs are spellings of one existing directory (`m/`, `./m`, `/abs/m`)."""
+    if not isinstance(a, str) or not isinstance(b, str):
+        return False
+    first, second = Path(a).expanduser(), Path(b).expanduser()
+    return first.is_dir() and second.is_dir() and first.resolve() == second.resolve()
 
 
 def _write_atomic(path: Path, text: str) -> None:

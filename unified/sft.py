@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ async def run_sft(
     config.trainer.loss = "cross_entropy"
     backend = backend if backend is not None else create_backend(config.backend)
     check_capabilities(config, backend)
-    if type(backend).export_model is BackendProtocol.export_model:
+    if getattr(type(backend), "export_model", None) in (None, BackendProtocol.export_model):
         raise UsageError(
             f"unified sft ends by exporting the model, which backend {backend.name!r} cannot do; "
             "fine-tune with backend=local or backend=verl"
@@ -82,8 +83,21 @@ async def run_sft(
         examples if examples is not None else await asyncio.to_thread(load_tasks, config.data.train)
     )
     sampler = TaskSampler(tasks, seed=config.trainer.seed)
-    # A run directory of its own, as training's: never appended to another run's metrics.
-    await asyncio.to_thread(RunDirectory(config.run_path).create, config.to_yaml(), resume=False)
+    # A run directory of its own, as training's: never appended to another run's metrics, and
+    # removed again if the fine-tuning fails, so that a retry under the name can start.
+    run = RunDirectory(config.run_path)
+    await asyncio.to_thread(run.create, config.to_yaml(), resume=False)
+    try:
+        return await _fine_tune(config, backend, sampler, output)
+    except BaseException:
+        if run.created:
+            await asyncio.to_thread(shutil.rmtree, run.path, True)
+        raise
+
+
+async def _fine_tune(
+    config: TrainerConfig, backend: BackendProtocol, sampler: TaskSampler, output: Path
+) -> Path:
     metrics = await asyncio.to_thread(metrics_for, config)
     calls = BackendCalls(backend, config.trainer, describe=lambda: "unified sft")
     try:

@@ -116,7 +116,6 @@ class UnifiedTrainer:
         loop: TrainingLoop | None = None
         error: BaseException | None = None
         calls = BackendCalls(self.backend, self.config.trainer)
-        fresh = not self.run.path.exists()
         try:
             self.config = await asyncio.to_thread(resolve_model, self.config)
             checkpoint = await asyncio.to_thread(
@@ -161,7 +160,7 @@ class UnifiedTrainer:
             except Exception as e:
                 error = _also(error, e, "closing the metrics")
         if error is not None:
-            if fresh and (loop is None or loop.step == 0):
+            if self.run.created and (loop is None or loop.step == 0):
                 # Bad input, a stop or a failure before the first step: a run that trained
                 # nothing leaves no directory behind to block the next try under its name.
                 await asyncio.to_thread(shutil.rmtree, self.run.path, True)
@@ -182,9 +181,13 @@ def _interrupted(loop: TrainingLoop, run: RunDirectory) -> TrainingInterrupted:
     assert loop.stop_signal is not None
     name = signal.Signals(loop.stop_signal).name
     checkpoint = run.latest_checkpoint()
-    saved = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no step trained)"
+    if loop.step == 0 and run.created:
+        outcome = "nothing was trained, so the run directory is removed: start it again"
+    else:
+        saved = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no step trained)"
+        outcome = f"{saved}; continue with resume=true"
     return TrainingInterrupted(
-        f"{name}: training stopped after step {loop.step}; {saved}; continue with resume=true",
+        f"{name}: training stopped after step {loop.step}; {outcome}",
         signal_number=loop.stop_signal,
     )
 

@@ -107,6 +107,13 @@ def test_a_step_that_does_not_extend_the_conversation_starts_a_new_row() -> None
     assert [r.prompt_ids for r in rows] == [[1, 2], [9, 9]]
 
 
+def test_a_call_sampled_at_another_temperature_starts_a_row_of_its_own() -> None:
+    first = output([1, 2], [3, 4]).model_copy(update={"temperature": 1.0})
+    second = output([1, 2, 3, 4, 20], [5]).model_copy(update={"temperature": 0.5})
+    rows = groups_to_rows([group("m", [[first, second]], [1.0])])
+    assert [(r.prompt_ids, r.temperature) for r in rows] == [([1, 2], 1.0), ([1, 2, 3, 4, 20], 0.5)]
+
+
 def test_rows_added_for_data_parallel_padding_carry_no_loss() -> None:
     batch = groups_to_batch(
         single_turn_groups()[:1] + single_turn_groups()[1:], pad_token_id=PAD, multiple=3
@@ -134,3 +141,22 @@ def test_no_padding_form_round_trips_through_verls_helpers() -> None:
 def test_micro_batches_shrink_for_a_small_batch() -> None:
     assert micro_batch_rows(6, 2, 8) == 3
     assert micro_batch_rows(64, 2, 8) == 8
+
+
+@pytest.mark.parametrize(("rows", "dp", "most"), [(20, 2, 8), (21, 2, 8), (100, 2, 16), (7, 1, 4)])
+def test_micro_batches_are_even_so_padding_fills_none(rows: int, dp: int, most: int) -> None:
+    micro = micro_batch_rows(rows, dp, most)
+    padded = -(-rows // (micro * dp)) * micro * dp
+    assert micro <= most and padded - rows < dp * (padded // (micro * dp)), (micro, padded)
+    last_rank_real = rows - (dp - 1) * (padded // dp)
+    assert last_rank_real > (padded // dp) - micro, "the last rank's last micro-batch holds a row"
+
+
+def test_a_worker_group_the_cluster_cannot_place_is_refused_in_one_line() -> None:
+    from backends.verl.worker_group import PolicyGroup
+    from unified.errors import BackendError
+
+    group = PolicyGroup(None, None, num_workers=4, device="cpu", ray_address=None)
+    with pytest.raises(BackendError, match=r"num_workers=4 needs 4 CPUs free .*, which has 2"):
+        group._check_resources({"CPU": 2.0})
+    group._check_resources({"CPU": 4.0})

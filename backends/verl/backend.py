@@ -172,9 +172,12 @@ class VerlBackend(BackendProtocol):
             temperature=self._temperature(rows),
             micro_batch=micro,
         )
+        reply = {ours: metrics[theirs] for theirs, ours in _METRICS.items() if theirs in metrics}
         if not math.isfinite(metrics.get("grad_norm", 0.0)):
-            raise BackendError(f"gradient norm is {metrics['grad_norm']}; lower trainer.lr")
-        return {ours: metrics[theirs] for theirs, ours in _METRICS.items() if theirs in metrics}
+            # verl's engine zeroes the gradients of a non-finite norm instead of stepping: the
+            # update was skipped, and the trainer's trainer.max_bad_steps decides what follows.
+            reply["train/skipped_steps"] = 1.0
+        return reply
 
     def _temperature(self, rows: list[Row]) -> float:
         """The one temperature the rows were sampled at (greedy scores at 1)."""

@@ -19,6 +19,7 @@ with `response_mask` and `advantages` zeroed, so they carry no loss and no gradi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -73,21 +74,38 @@ def groups_to_rows(groups: Sequence[TrajectoryGroup]) -> list[Row]:
         for episode, advantage in zip(group.episodes, group.advantages, strict=True):
             for trajectory in episode.trajectories:
                 for first, *later in trajectory.sequences():
-                    row = Row(
-                        prompt_ids=list(first.prompt_ids),
-                        response_ids=list(first.completion_ids),
-                        response_mask=[1] * len(first.completion_ids),
-                        logprobs=list(first.logprobs),
+                    start = functools.partial(
+                        _row,
                         advantage=advantage,
                         reward=trajectory.reward,
                         uid=uid,
                         task_id=group.task_id,
-                        temperature=first.temperature,
                     )
+                    row = start(first)
                     for out in later:
-                        row.extend(out)
+                        # A row is scored at one temperature: a call sampled at another starts
+                        # its own (and the backend refuses a batch that mixes them).
+                        if out.temperature != row.temperature:
+                            rows.append(row)
+                            row = start(out)
+                        else:
+                            row.extend(out)
                     rows.append(row)
     return rows
+
+
+def _row(out: ModelOutput, *, advantage: float, reward: float, uid: str, task_id: str) -> Row:
+    return Row(
+        prompt_ids=list(out.prompt_ids),
+        response_ids=list(out.completion_ids),
+        response_mask=[1] * len(out.completion_ids),
+        logprobs=list(out.logprobs),
+        advantage=advantage,
+        reward=reward,
+        uid=uid,
+        task_id=task_id,
+        temperature=out.temperature,
+    )
 
 
 def rows_to_batch(rows: Sequence[Row], *, pad_token_id: int, multiple: int = 1) -> DataProto:
@@ -158,8 +176,13 @@ def groups_to_batch(
 
 
 def micro_batch_rows(rows: int, dp_size: int, most: int) -> int:
-    """Rows per micro-batch for `rows` over `dp_size` ranks: `most`, or fewer for a small batch."""
-    return max(1, min(most, -(-rows // dp_size)))
+    """Rows per micro-batch for `rows` over `dp_size` ranks: each rank's share split into as few
+    micro-batches of at most `most` rows as it takes, all of one size, so that the batch pads by
+    less than a row per micro-batch (20 rows on 2 ranks at most 8: 5, not 8 and 12 rows of
+    padding, a whole micro-batch of them, which verl's per-micro-batch metrics would average)."""
+    per_rank = -(-rows // dp_size)
+    micro_batches = -(-per_rank // most)
+    return max(1, -(-per_rank // micro_batches))
 
 
 def to_no_padding(batch: DataProto, **non_tensors: object) -> TensorDict:

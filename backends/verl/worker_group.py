@@ -11,6 +11,7 @@ TensorDict -> worker call -> padded results. Every call blocks: the backend runs
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from functools import partial
@@ -48,6 +49,7 @@ class PolicyGroup:
         self.device = device
         self.ray_address = ray_address
         self._group: Any = None
+        self._pool: Any = None
         self._started_ray = False
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -83,7 +85,8 @@ class PolicyGroup:
             else:
                 init_ray(address=self.ray_address, runtime_env={"env_vars": env})
             self._started_ray = True
-        pool = RayResourcePool(
+        self._check_resources(ray.available_resources())
+        self._pool = pool = RayResourcePool(
             process_on_nodes=[self.num_workers],
             use_gpu=self.device == "cuda",
             max_colocate_count=1,
@@ -102,6 +105,16 @@ class PolicyGroup:
             self._group.start_reference()
         self._group.set_loss_fn(partial(ppo_loss, config=self.actor_config))
 
+    def _check_resources(self, available: dict[str, float]) -> None:
+        """Refuse a group the cluster cannot place: Ray would wait for the bundles forever."""
+        kind = "GPU" if self.device == "cuda" else "CPU"
+        have = available.get(kind, 0.0)
+        if have < self.num_workers:
+            raise BackendError(
+                f"verl.num_workers={self.num_workers} needs {self.num_workers} {kind}s free in "
+                f"the Ray cluster, which has {have:g}; lower verl.num_workers or add nodes"
+            )
+
     def _worker_environment(self) -> dict[str, str]:
         env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         if self.device == "cpu":
@@ -119,6 +132,14 @@ class PolicyGroup:
             for handle in self._group.workers:
                 ray.kill(handle)
             self._group = None
+        # Give the bundles back: on a cluster (or a Ray that outlives this run) they stay
+        # reserved until removed, and the next group in this process could not be placed.
+        from ray.util import remove_placement_group
+
+        for placement_group in getattr(self._pool, "pgs", None) or []:
+            with contextlib.suppress(Exception):
+                remove_placement_group(placement_group)
+        self._pool = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

@@ -160,3 +160,13 @@ def test_a_worker_group_the_cluster_cannot_place_is_refused_in_one_line() -> Non
     with pytest.raises(BackendError, match=r"num_workers=4 needs 4 CPUs free .*, which has 2"):
         group._check_resources({"CPU": 2.0})
     group._check_resources({"CPU": 4.0})
+
+
+def test_a_checkpoint_of_another_number_of_workers_is_refused_in_one_line() -> None:
+    from backends.verl.backend import check_saved_workers
+    from unified.errors import UsageError
+
+    check_saved_workers({"num_workers": 2}, 2)
+    check_saved_workers({}, 2)  # written before the count was recorded: nothing to compare
+    with pytest.raises(UsageError, match=r"holds 4 workers' shards; resume with .*=4"):
+        check_saved_workers({"num_workers": 4}, 2)

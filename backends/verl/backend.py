@@ -42,7 +42,7 @@ from backends.verl.convert import Row, groups_to_rows, rows_to_batch
 from backends.verl.weights import tied_aliases
 from backends.verl.worker_group import PolicyGroup
 from unified.config import TrainerConfig
-from unified.errors import BackendError
+from unified.errors import BackendError, UsageError
 from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
 from unified.types import TrajectoryGroup
 
@@ -61,6 +61,16 @@ _METRICS = {
     "grad_norm": "train/grad_norm",
     "kl_loss": "train/kl_reference",
 }
+
+
+def check_saved_workers(meta: dict[str, Any], num_workers: int) -> None:
+    """Refuse a checkpoint sharded over another number of workers (verl cannot reshard it)."""
+    saved = meta.get("num_workers", num_workers)
+    if saved != num_workers:
+        raise UsageError(
+            f"this verl checkpoint holds {saved} workers' shards; resume with "
+            f"verl.num_workers={saved} (it is {num_workers})"
+        )
 
 
 class VerlBackend(BackendProtocol):
@@ -238,7 +248,11 @@ class VerlBackend(BackendProtocol):
         # Clones: safetensors refuses tensors that share storage (tied embeddings do).
         weights = {k: v.detach().cpu().clone().contiguous() for k, v in state.items()}
         save_file(weights, directory / "sampler.safetensors")
-        meta = {"sampler_version": self.sampler.version, "steps": self.steps}
+        meta = {
+            "sampler_version": self.sampler.version,
+            "steps": self.steps,
+            "num_workers": self.settings.num_workers,  # verl saves one shard per worker
+        }
         (directory / "backend.json").write_text(json.dumps(meta))
 
     async def load_checkpoint(self, directory: Path) -> None:
@@ -247,9 +261,10 @@ class VerlBackend(BackendProtocol):
         if not tracker.exists():
             raise BackendError(f"{directory} holds no verl checkpoint ({_TRACKER} is missing)")
         steps = int(tracker.read_text().strip())
+        meta = json.loads((directory / "backend.json").read_text())
+        check_saved_workers(meta, self.settings.num_workers)
         actor = directory / f"global_step_{steps}" / "actor"
         await self._call("loading a verl checkpoint", self.group.load_checkpoint, actor)
-        meta = json.loads((directory / "backend.json").read_text())
         weights = await asyncio.to_thread(load_file, directory / "sampler.safetensors")
         await asyncio.to_thread(self.sampler.load_weights, weights, meta["sampler_version"])
         self.steps = steps

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -496,6 +498,21 @@ def test_checkpoint_resume_continues_without_training_a_task_twice(
     assert trained(ledger(result.run_dir)) == trained(ledger(full_run.run_dir))
     steps = [m["step"] for m in metrics_lines(result.run_dir)]
     assert steps == [1, 2, 3, 4, 5, 6], "the step counter continues"
+
+
+def test_resume_warns_of_groups_in_flight_whose_tasks_left_the_dataset(
+    make_config: ConfigFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = make_config(name="shrunk", mode="async", trainer={"total_steps": 3, "save_every": 2})
+    run_dir = fit(first, BanditBackend()).run_dir
+    shutil.rmtree(run_dir / "checkpoints" / "step_000003")  # resume from the mid-run one
+    state = RunDirectory.load_state(run_dir / "checkpoints" / "step_000002")
+    assert state.redispatch, "async admission keeps groups in flight at a mid-run checkpoint"
+    second = {**first, "resume": True, "trainer": {**first["trainer"], "total_steps": 4}}
+    with caplog.at_level(logging.WARNING, logger="unified.loop"):
+        fit(second, BanditBackend(), train_tasks=bandit_tasks(24, prefix="other"))
+    assert f"{len(state.redispatch)} group(s) in flight" in caplog.text
+    assert "no longer in data.train" in caplog.text
 
 
 def test_time_budget_ends_the_run_between_steps_with_a_final_eval(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import logging
 import math
 import time
 from collections import deque
@@ -44,6 +45,8 @@ from unified.schedule import learning_rate
 from unified.types import Episode, Task, TrajectoryGroup
 
 __all__ = ["TrainingLoop"]
+
+log = logging.getLogger(__name__)
 
 Item = tuple[GroupTicket, TrajectoryGroup]
 
@@ -146,6 +149,14 @@ class TrainingLoop:
             # Checkpoints written before sequence numbers were kept get new ones.
             seqs: list[int | None] = [*state.redispatch_seqs]
             seqs += [None] * (len(state.redispatch) - len(seqs))
+            gone = [i for i in state.redispatch if i not in by_id]
+            if gone:  # the dataset changed since the checkpoint: those groups cannot run again
+                log.warning(
+                    "resume: %d group(s) in flight at the checkpoint are not dispatched again: "
+                    "their tasks are no longer in data.train (first: %r)",
+                    len(gone),
+                    gone[0],
+                )
             # The backend restored its sampler (weights and version) itself; reopen the window
             # at the point the checkpoint was taken.
             self.groups.restore(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -291,6 +291,20 @@ class TrainerConfig(_Section):
     def to_yaml(self) -> str:
         """The resolved config as YAML (`public_dump`)."""
         return yaml.safe_dump(self.public_dump(), sort_keys=False)
+
+
+SectionT = TypeVar("SectionT", bound=BaseModel)
+
+
+def backend_section(model: type[SectionT], config: TrainerConfig, name: str) -> SectionT:
+    """A backend's own section (`local:`, `verl:`) validated by `model`; a bad key is a one-line
+    `ConfigError` that names it."""
+    try:
+        return model.model_validate(getattr(config, name))
+    except ValidationError as e:
+        first = e.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"config key '{name}.{key}': {first['msg']}") from None
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
 from backends.local.builtin import chat_prompt_ids, check_model_spec, load_policy, save_policy
@@ -37,7 +37,7 @@ from backends.local.losses import (
     token_weights,
 )
 from backends.local.sampler import BatchingSampler
-from unified.config import TrainerConfig
+from unified.config import TrainerConfig, backend_section
 from unified.errors import BackendError, ConfigError
 from unified.model_provider import is_model_provider
 from unified.protocol import (
@@ -110,12 +110,7 @@ class LocalConfig(BaseModel):
 
 def _local_settings(config: TrainerConfig) -> LocalConfig:
     """The `local:` section, or a one-line `ConfigError` naming its first bad key."""
-    try:
-        return LocalConfig.model_validate(config.local)
-    except ValidationError as e:
-        first = e.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"config key 'local.{key}': {first['msg']}") from None
+    return backend_section(LocalConfig, config, "local")
 
 
 class Threads(NamedTuple):

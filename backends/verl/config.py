@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from backends.verl.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -27,7 +27,7 @@ from backends.verl.algorithms import (
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
 )
-from unified.config import TrainerConfig
+from unified.config import TrainerConfig, backend_section
 from unified.errors import CapabilityError, ConfigError
 
 __all__ = [
@@ -103,12 +103,7 @@ class VerlConfig(BaseModel):
 
 def parse_verl_config(config: TrainerConfig) -> VerlConfig:
     """The `verl:` section, validated; errors name the dotted key."""
-    try:
-        return VerlConfig.model_validate(config.verl)
-    except ValidationError as e:
-        first = e.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"config key 'verl.{key}': {first['msg']}") from None
+    return backend_section(VerlConfig, config, "verl")
 
 
 def resolved_device(settings: VerlConfig) -> Literal["cpu", "cuda"]:

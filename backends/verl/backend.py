@@ -289,7 +289,12 @@ class VerlBackend(BackendProtocol):
             await self._call("stopping the verl worker group", group.shutdown)
 
     async def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run a blocking worker-group call in a thread, within `verl.call_timeout_s`."""
+        """Run a blocking worker-group call in a thread, within `verl.call_timeout_s`.
+
+        A pool thread (`asyncio.to_thread`), not a daemon thread per call as the tinker backend
+        uses: a test run that started Ray in such a thread ended with exit 1 and no output as
+        the thread ended. So a call stuck past its deadline still holds the process's exit.
+        """
         limit = self.settings.call_timeout_s
         try:
             async with asyncio.timeout(limit):

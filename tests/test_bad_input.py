@@ -66,6 +66,7 @@ def run_dir_a_file(tmp: Path) -> list[str]:
 ROWS: dict[str, tuple[Setup, str]] = {
     # configs
     "config file missing": (lambda tmp: ["--config", str(tmp / "nope.yaml")], "does not exist"),
+    "config file a folder": (lambda tmp: ["--config", str(tmp)], "is a folder; give a YAML file"),
     "config not YAML": (config_file("trainer: [1,\n"), "is not valid YAML"),
     "config a list": (config_file("- 1\n- 2\n"), "must hold a mapping"),
     "unknown key": (override("trainer.bach_size=3"), "unknown config key 'trainer.bach_size'"),

@@ -352,6 +352,8 @@ def _deep_copy(mapping: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a folder; give a YAML file in it")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:

@@ -347,8 +347,11 @@ def parse_args() -> argparse.Namespace:
             setattr(args, key, value)
     if args.steps < 1:
         parser.error("--steps must be at least 1 (the timed steps)")
-    if args.vocab is not None and args.vocab < 104:
-        parser.error(f"--vocab {args.vocab} is below the tokenizer's 104 tokens; pass 104 or more")
+    tokens = len(build_tokenizer())
+    if args.vocab is not None and args.vocab < tokens:
+        parser.error(
+            f"--vocab {args.vocab} is below the tokenizer's {tokens} tokens; pass {tokens} or more"
+        )
     if args.device == "cuda":
         import torch
 

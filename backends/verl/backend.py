@@ -7,10 +7,10 @@ and the optimizer step in one call, so streamed accumulation is exact: one updat
 weights): `optim_step` first scores the rows with it, and verl's KL loss uses those log-probs.
 Sampling is the local backend's `BatchingSampler` on its own copy of the weights (verl's vLLM/
 SGLang servers are not wired in yet, on any device). `on_policy_updated(v)` gathers the trained
-weights from the workers and loads them into the sampler, which waits for the batch it is running:
-the sync waits for running requests, never for workflows. Checkpoints are verl's own layout
-(`global_step_N/actor`, `latest_checkpointed_iteration.txt`) plus the sampler's weights. Every
-blocking call runs in a thread under `verl.call_timeout_s`.
+weights from the workers and loads them into the sampler's spare copy, which it swaps in: a batch
+running at the sync finishes on its own weights, and the sync waits for no workflow. Checkpoints
+are verl's own layout (`global_step_N/actor`, `latest_checkpointed_iteration.txt`) plus the
+sampler's weights. Every blocking call runs in a thread under `verl.call_timeout_s`.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ class VerlBackend(BackendProtocol):
         weights = await self._call(
             "gathering the trained weights", self.group.export_weights, self.tied
         )
-        # load_weights holds the sampler's lock: it waits for the batch running now, if any.
+        # Into the sampler's spare copy: a batch running now finishes on the weights it began with.
         await asyncio.to_thread(self.sampler.load_weights, weights, version)
 
     # -- checkpoints --------------------------------------------------------------------------

@@ -15,8 +15,10 @@ import contextlib
 import contextvars
 import math
 import numbers
+import queue
 import threading
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Future
 from typing import Any, Literal, TypeVar
 
 from unified.config import TrainerSection
@@ -24,7 +26,7 @@ from unified.errors import BackendReplyError, StallError
 from unified.protocol import BackendProtocol
 from unified.retry import NO_RETRY, retrying
 
-__all__ = ["BackendCalls", "CallName", "finite", "in_daemon_thread"]
+__all__ = ["BackendCalls", "CallName", "DaemonWorker", "finite", "in_daemon_thread"]
 
 T = TypeVar("T")
 CallName = Literal[
@@ -127,6 +129,37 @@ async def in_daemon_thread(fn: Callable[[], T]) -> T:
 
     threading.Thread(target=run, name=f"unified-{fn!r:.40}", daemon=True).start()
     return await future
+
+
+class DaemonWorker:
+    """One daemon thread that runs blocking calls in turn, until the process exits.
+
+    For clients bound to the thread that made them (a test process that started Ray in a thread
+    per call ended with exit 1 when that thread did): a call past its caller's deadline is
+    abandoned, and the interpreter's exit does not wait for it, as it would for a pool thread.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]]
+        self._calls = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the thread after the calls before it; await its result."""
+        future: Future[T] = Future()
+        self._calls.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    def _serve(self) -> None:
+        while True:
+            fn, future = self._calls.get()
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller gave up before it started
+            try:
+                future.set_result(fn())
+            except BaseException as e:
+                future.set_exception(e)
 
 
 def _is_number(value: object) -> bool:

@@ -10,12 +10,13 @@ SGLang servers are not wired in yet, on any device). `on_policy_updated(v)` gath
 weights from the workers and loads them into the sampler's spare copy, which it swaps in: a batch
 running at the sync finishes on its own weights, and the sync waits for no workflow. Checkpoints
 are verl's own layout (`global_step_N/actor`, `latest_checkpointed_iteration.txt`) plus the
-sampler's weights. Every blocking call runs in a thread under `verl.call_timeout_s`.
+sampler's weights. Every worker-group call runs on one daemon thread under `verl.call_timeout_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from backends.verl.config import (
 from backends.verl.convert import Row, groups_to_rows, rows_to_batch
 from backends.verl.weights import tied_aliases
 from backends.verl.worker_group import PolicyGroup
+from unified.backend_calls import DaemonWorker
 from unified.config import TrainerConfig
 from unified.errors import BackendError, UsageError
 from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
@@ -86,6 +88,7 @@ class VerlBackend(BackendProtocol):
         self._group: PolicyGroup | None = None
         self._pending: list[Row] = []
         self._lr: float | None = None
+        self._calls: DaemonWorker | None = None  # made by the first worker-group call
         self.steps = 0
 
     # -- set-up -------------------------------------------------------------------------------
@@ -289,15 +292,13 @@ class VerlBackend(BackendProtocol):
             await self._call("stopping the verl worker group", group.shutdown)
 
     async def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run a blocking worker-group call in a thread, within `verl.call_timeout_s`.
-
-        A pool thread (`asyncio.to_thread`), not a daemon thread per call as the tinker backend
-        uses: a test run that started Ray in such a thread ended with exit 1 and no output as
-        the thread ended. So a call stuck past its deadline still holds the process's exit.
-        """
+        """Run a blocking worker-group call within `verl.call_timeout_s`, on the backend's one
+        daemon thread: a call stuck past it is abandoned and does not hold the process's exit."""
         limit = self.settings.call_timeout_s
+        if self._calls is None:
+            self._calls = DaemonWorker("verl-calls")
         try:
             async with asyncio.timeout(limit):
-                return await asyncio.to_thread(fn, *args, **kwargs)
+                return await self._calls.run(functools.partial(fn, *args, **kwargs))
         except TimeoutError as e:
             raise BackendError(f"verl backend: {what} took more than {limit:g} s") from e

@@ -1,0 +1,55 @@
+"""Blocking backend calls off the event loop: a call stuck past its deadline holds nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from unified.backend_calls import DaemonWorker
+
+STUCK_CALL = """
+import asyncio, threading
+from unified.backend_calls import {runner}
+
+async def main():
+    stuck = threading.Event()
+    {setup}
+    try:
+        async with asyncio.timeout(0.2):
+            await {call}
+    except TimeoutError:
+        print("abandoned", flush=True)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_daemon_worker_runs_calls_in_turn_on_one_thread() -> None:
+    worker = DaemonWorker("test-calls")
+    names = await asyncio.gather(*[worker.run(lambda: threading.current_thread().name)] * 4)
+    assert names == ["test-calls"] * 4
+    with pytest.raises(ZeroDivisionError):
+        await worker.run(lambda: 1 / 0)
+    assert await worker.run(lambda: "still serving") == "still serving"
+
+
+@pytest.mark.parametrize(
+    ("runner", "setup", "call"),
+    [
+        ("DaemonWorker", "worker = DaemonWorker('calls')", "worker.run(stuck.wait)"),
+        ("in_daemon_thread", "pass", "in_daemon_thread(stuck.wait)"),
+    ],
+)
+def test_a_call_stuck_past_its_deadline_does_not_hold_the_process_exit(
+    runner: str, setup: str, call: str
+) -> None:
+    script = textwrap.dedent(STUCK_CALL).format(runner=runner, setup=setup, call=call)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "abandoned", done.stderr

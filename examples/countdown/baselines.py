@@ -36,6 +36,7 @@ from unified.types import Task
 __all__ = [
     "baselines",
     "best_fixed_pattern",
+    "best_fixed_patterns",
     "best_pattern_by_target_band",
     "random_valid_expression_rate",
 ]
@@ -46,28 +47,37 @@ _T = TypeVar("_T")
 _Rational = tuple[int, int] | None
 
 
-def baselines(tasks: Sequence[Task], *, samples: int = 20, seed: int = 0) -> dict[str, float]:
-    """`{"random_valid_expression": rate, "best_fixed_pattern": rate}`, both in [0, 1]."""
-    _, best_rate = best_fixed_pattern(tasks)
+def baselines(
+    tasks: Sequence[Task], *, samples: int = 20, seed: int = 0, attempts: int = 1
+) -> dict[str, float]:
+    """`{"random_valid_expression": rate, "best_fixed_pattern": rate}`, both in [0, 1], for a
+    policy with `attempts` tries per task that solves it if any try hits (a tool agent's checks):
+    `attempts` random expressions, and the `attempts` fixed patterns that together hit most
+    (chosen greedily: a lower bound on the best such set)."""
     return {
-        "random_valid_expression": random_valid_expression_rate(tasks, samples=samples, seed=seed),
-        "best_fixed_pattern": best_rate,
+        "random_valid_expression": random_valid_expression_rate(
+            tasks, samples=samples, seed=seed, attempts=attempts
+        ),
+        "best_fixed_pattern": best_fixed_patterns(tasks, attempts)[1],
     }
 
 
 def random_valid_expression_rate(
-    tasks: Sequence[Task], *, samples: int = 20, seed: int = 0
+    tasks: Sequence[Task], *, samples: int = 20, seed: int = 0, attempts: int = 1
 ) -> float:
-    """Mean hit rate of `samples` random valid expressions per task, scored by the real reward."""
-    if not tasks or samples < 1:
-        raise ValueError(f"need at least one task and samples >= 1, got {len(tasks)}, {samples}")
+    """Mean hit rate over `samples` draws per task of `attempts` random valid expressions (a draw
+    hits if any of them does), scored by the real reward."""
+    if not tasks or samples < 1 or attempts < 1:
+        raise ValueError(
+            f"need a task, samples >= 1 and attempts >= 1, got {len(tasks)}, {samples}, {attempts}"
+        )
     rng = random.Random(seed)
     hits = 0
     for task in tasks:
         numbers, _ = problem_of(task.data)
         for _ in range(samples):
-            _, correct = countdown_reward(random_expression(numbers, rng), task.data)
-            hits += correct
+            tries = (random_expression(numbers, rng) for _ in range(attempts))
+            hits += any(countdown_reward(expression, task.data)[1] for expression in tries)
     return hits / (len(tasks) * samples)
 
 
@@ -79,6 +89,19 @@ def best_fixed_pattern(tasks: Sequence[Task]) -> tuple[str, float]:
     names, hits = _pattern_hits(tasks)
     best = _best_pattern(hits, range(len(tasks)), len(names))
     return names[best], sum(best in row for row in hits) / len(tasks)
+
+
+def best_fixed_patterns(tasks: Sequence[Task], attempts: int) -> tuple[list[str], float]:
+    """`attempts` fixed patterns chosen greedily (each the one that hits most of the tasks the
+    ones before miss), and the share of tasks at least one of them hits."""
+    names, hits = _pattern_hits(tasks)
+    chosen: list[int] = []
+    missed = set(range(len(tasks)))
+    for _ in range(attempts):
+        best = _best_pattern(hits, missed, len(names))
+        chosen.append(best)
+        missed -= {i for i in missed if best in hits[i]}
+    return [names[i] for i in chosen], (len(tasks) - len(missed)) / len(tasks)
 
 
 def best_pattern_by_target_band(tasks: Sequence[Task], *, width: int = 10) -> float:

@@ -21,8 +21,10 @@ from examples.countdown.baselines import baselines, best_pattern_by_target_band
 from unified.cli import run_command
 from unified.config import load_config
 from unified.errors import UsageError
+from unified.imports import import_object
 from unified.plot import plot_run
 from unified.trainer import UnifiedTrainer
+from workflows.tools import ToolWorkflow
 
 __all__ = ["main", "summarize"]
 
@@ -58,7 +60,12 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
     minutes = (time.monotonic() - started) / 60
     summary = summarize(result.run_dir)
     first = json.loads((result.run_dir / "metrics.jsonl").read_text().splitlines()[0])
-    reference = baselines(trainer.eval_tasks)
+    # A tool agent solves a task if any of its checks or its answer hits: its bars get as many
+    # tries per task as it has turns.
+    workflow = import_object(config.workflow, what="workflow")
+    tool_agent = isinstance(workflow, type) and issubclass(workflow, ToolWorkflow)
+    attempts = workflow.max_turns if tool_agent else 1
+    reference = baselines(trainer.eval_tasks, attempts=attempts)
     curves = plot_run(result.run_dir)
     n = len(trainer.eval_tasks)
     print(
@@ -83,8 +90,11 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
         print(
             f"  ... with every call well-formed, before: {clean[0]}, at the last eval: {clean[1]}"
         )
-    print(f"  baseline, a random valid expression:   {reference['random_valid_expression']:.1%}")
-    print(f"  baseline, the best fixed pattern:      {reference['best_fixed_pattern']:.1%}")
+    tries = "" if attempts == 1 else f" ({attempts} tries per problem, as the agent has turns)"
+    print(
+        f"  baseline, a random valid expression{tries}: {reference['random_valid_expression']:.1%}"
+    )
+    print(f"  baseline, the best fixed pattern{tries}: {reference['best_fixed_pattern']:.1%}")
     print(
         "  reference, the best pattern per band of ten targets: "
         f"{best_pattern_by_target_band(trainer.eval_tasks):.1%}"

@@ -28,6 +28,7 @@ from examples.countdown import (
 from examples.countdown.baselines import (
     baselines,
     best_fixed_pattern,
+    best_fixed_patterns,
     best_pattern_by_target_band,
     main,
 )
@@ -295,6 +296,16 @@ def test_baselines_are_rates_and_random_expressions_rarely_hit() -> None:
     assert set(figures) == {"random_valid_expression", "best_fixed_pattern"}
     assert all(0.0 <= rate <= 1.0 for rate in figures.values()), figures
     assert figures["random_valid_expression"] < 0.5, figures
+
+
+def test_baselines_with_more_tries_hit_more_and_one_try_is_the_single_baseline() -> None:
+    tasks = make_tasks(200, split="eval")
+    one, three = baselines(tasks, samples=5), baselines(tasks, samples=5, attempts=3)
+    assert one["best_fixed_pattern"] == best_fixed_pattern(tasks)[1]
+    for name in one:
+        assert three[name] > one[name], (name, one, three)
+    patterns, rate = best_fixed_patterns(tasks, 3)
+    assert len(set(patterns)) == 3 and rate == three["best_fixed_pattern"]
 
 
 def test_best_fixed_pattern_finds_a_pattern_every_task_follows() -> None:

@@ -4,6 +4,7 @@ once; `resume=true` then trains what an uninterrupted run trains."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import selectors
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.bandit import BanditBackend
+from tests.bandit import BanditBackend, bandit_tasks
 from tests.conftest import ConfigFactory
 from tests.crashing import check_run
 from tests.stopping import InterruptingWorkflow
@@ -210,3 +211,21 @@ def test_cli_a_second_sigint_exits_130_at_once(make_config: ConfigFactory, tmp_p
         process.kill()
     run = RunDirectory(Path(config["logging"]["run_dir"]) / "cli")
     assert run.latest_checkpoint() is None, "no checkpoint was written, none is half visible"
+
+
+def test_a_signal_during_the_shutdown_says_the_run_is_already_over(
+    make_config: ConfigFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class SignalledAtShutdown(BanditBackend):
+        async def shutdown(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.2)  # the handler runs on the event loop
+            await super().shutdown()
+
+    config = make_config(trainer={"total_steps": 2})
+    result = UnifiedTrainer(
+        config, backend=SignalledAtShutdown(), train_tasks=bandit_tasks(8)
+    ).fit()
+    assert result.steps == 2, "training was over: the run completes"
+    err = capsys.readouterr().err
+    assert "training is over and the run is shutting down" in err and "gets" not in err, err

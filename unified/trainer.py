@@ -75,6 +75,7 @@ class UnifiedTrainer:
         self.run = RunDirectory(self.config.run_path)
         self._loop: TrainingLoop | None = None
         self._stop_signal: int | None = None
+        self._shutting_down = False  # the loop has ended: a signal now only cuts the shutdown
 
     def fit(self) -> TrainResult:
         """Train to `trainer.total_steps`; blocking wrapper around `fit_async`.
@@ -88,6 +89,7 @@ class UnifiedTrainer:
                 return await self.fit_async()
 
         self._stop_signal = None
+        self._shutting_down = False
         return asyncio.run(fit_stopping_on_signals())
 
     def _on_signal(self, signal_number: int) -> None:
@@ -98,9 +100,12 @@ class UnifiedTrainer:
             os._exit(128 + signal_number)
         self._stop_signal = signal_number
         grace = self.config.trainer.stop_grace_s
+        if self._shutting_down:
+            what = "training is over and the run is shutting down"
+        else:
+            what = f"the step in progress gets {grace:g} s to finish, then a checkpoint is written"
         print(
-            f"unified: {name}: stopping; the step in progress gets {grace:g} s to finish, then a "
-            f"checkpoint is written (send {name} again to exit at once, without it)",
+            f"unified: {name}: stopping; {what} (send {name} again to exit at once, without it)",
             file=sys.stderr,
             flush=True,
         )
@@ -150,6 +155,7 @@ class UnifiedTrainer:
             error = e
         finally:
             self._loop = None
+            self._shutting_down = True
         try:
             await calls.call("shutdown", self.backend.shutdown)
         except Exception as e:

@@ -181,3 +181,23 @@ async def test_weight_sync_checkpoints_and_the_kl_reference_on_the_cpu_worker_gr
         assert backend.sampler.version == 1
     finally:
         await backend.shutdown()
+
+
+def test_a_worker_group_the_cluster_cannot_place_is_refused_in_one_line() -> None:
+    from backends.verl.worker_group import PolicyGroup
+    from unified.errors import BackendError
+
+    group = PolicyGroup(None, None, num_workers=4, device="cpu", ray_address=None)
+    with pytest.raises(BackendError, match=r"num_workers=4 needs 4 CPUs free .*, which has 2"):
+        group._check_resources({"CPU": 2.0})
+    group._check_resources({"CPU": 4.0})
+
+
+def test_a_checkpoint_of_another_number_of_workers_is_refused_in_one_line() -> None:
+    from backends.verl.backend import check_saved_workers
+    from unified.errors import UsageError
+
+    check_saved_workers({"num_workers": 2}, 2)
+    check_saved_workers({}, 2)  # written before the count was recorded: nothing to compare
+    with pytest.raises(UsageError, match=r"holds 4 workers' shards; resume with .*=4"):
+        check_saved_workers({"num_workers": 4}, 2)

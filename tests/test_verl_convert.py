@@ -150,23 +150,3 @@ def test_micro_batches_are_even_so_padding_fills_none(rows: int, dp: int, most: 
     assert micro <= most and padded - rows < dp * (padded // (micro * dp)), (micro, padded)
     last_rank_real = rows - (dp - 1) * (padded // dp)
     assert last_rank_real > (padded // dp) - micro, "the last rank's last micro-batch holds a row"
-
-
-def test_a_worker_group_the_cluster_cannot_place_is_refused_in_one_line() -> None:
-    from backends.verl.worker_group import PolicyGroup
-    from unified.errors import BackendError
-
-    group = PolicyGroup(None, None, num_workers=4, device="cpu", ray_address=None)
-    with pytest.raises(BackendError, match=r"num_workers=4 needs 4 CPUs free .*, which has 2"):
-        group._check_resources({"CPU": 2.0})
-    group._check_resources({"CPU": 4.0})
-
-
-def test_a_checkpoint_of_another_number_of_workers_is_refused_in_one_line() -> None:
-    from backends.verl.backend import check_saved_workers
-    from unified.errors import UsageError
-
-    check_saved_workers({"num_workers": 2}, 2)
-    check_saved_workers({}, 2)  # written before the count was recorded: nothing to compare
-    with pytest.raises(UsageError, match=r"holds 4 workers' shards; resume with .*=4"):
-        check_saved_workers({"num_workers": 4}, 2)

@@ -8,6 +8,7 @@ import functools
 import json
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ from tests.bandit import bandit_tasks
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.types import Task
+from workflows import tools as tools_module
 from workflows.tool_calls import ToolCall, parse_tool_calls
 from workflows.tools import Tool, ToolResult, ToolWorkflow, run_tool_calls
 
@@ -212,6 +214,42 @@ async def test_sync_tools_stuck_past_their_timeout_hold_no_shared_thread() -> No
             assert await asyncio.gather(*[asyncio.to_thread(int, "1") for _ in range(16)])
     finally:
         release.set()
+
+
+async def test_a_sync_tool_with_too_many_calls_stuck_fails_at_once_until_they_return(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tools_module, "MAX_STUCK_CALLS", 3)
+    release = threading.Event()
+
+    def held() -> str:
+        """Return once the test lets it."""
+        release.wait(30)
+        return "done"
+
+    tools = {"held": Tool.from_function(held)}
+    threads = threading.active_count()
+    try:
+        timed_out = await run_tool_calls([ToolCall("held")] * 3, tools, timeout_s=0.05)
+        assert all("timed out" in r.content for r in timed_out)
+        (refused,) = await run_tool_calls([ToolCall("held")], tools, timeout_s=5)
+        assert refused.content == (
+            "error: 3 earlier calls of 'held' are still running past their timeout; "
+            "not starting another"
+        )
+        assert threading.active_count() == threads + 3, "the refused call started no thread"
+    finally:
+        release.set()
+
+    def returned() -> bool:
+        deadline = time.monotonic() + 5
+        while tools_module._stuck[held] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return tools_module._stuck[held] == 0
+
+    assert await asyncio.to_thread(returned), "calls that returned count as stuck no more"
+    (served,) = await run_tool_calls([ToolCall("held")], tools, timeout_s=5)
+    assert served.ok and served.content == "done"
 
 
 class Adder(ToolWorkflow):

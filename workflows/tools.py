@@ -17,7 +17,9 @@ import functools
 import inspect
 import json
 import re
+import threading
 from abc import abstractmethod
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -29,7 +31,7 @@ from unified.types import Task
 from workflows.multi_turn import Environment, MultiTurnWorkflow, Observation
 from workflows.tool_calls import ToolCall, parse_tool_calls, tools_prompt
 
-__all__ = ["Tool", "ToolResult", "ToolWorkflow", "run_tool_calls"]
+__all__ = ["MAX_STUCK_CALLS", "Tool", "ToolResult", "ToolWorkflow", "run_tool_calls"]
 
 _ARG_LINE = re.compile(r"^\s*(\w+)\s*(?:\([^)]*\))?\s*:\s*(.+)$")
 
@@ -85,10 +87,55 @@ class Tool:
         if inspect.iscoroutinefunction(self.fn):
             result = await self.fn(**values)
         else:
-            result = await in_daemon_thread(functools.partial(self.fn, **values))
+            result = await _in_thread(self, functools.partial(self.fn, **values))
         if inspect.isawaitable(result):  # an async tool behind a sync decorator
             result = await result
         return result if isinstance(result, str) else json.dumps(result, default=str)
+
+
+# A sync tool's call past its timeout keeps its thread until the function returns (threads cannot
+# be stopped). Past this many such threads of one tool, its further calls fail at once: a tool
+# stuck for good would otherwise take one more thread per call for the rest of the run.
+MAX_STUCK_CALLS = 32
+
+_stuck: Counter[Callable[..., Any]] = Counter()  # per tool function: abandoned calls still running
+_stuck_lock = threading.Lock()
+
+
+class _ToolStuck(RuntimeError):
+    """Too many of a tool's earlier calls are still running past their timeout."""
+
+
+async def _in_thread(tool: Tool, call: Callable[[], Any]) -> Any:
+    """Run a sync tool's call in a daemon thread; a call its caller gave up on (a timeout) counts
+    as stuck until it returns."""
+    with _stuck_lock:
+        stuck = _stuck[tool.fn]
+    if stuck >= MAX_STUCK_CALLS:
+        raise _ToolStuck(
+            f"{stuck} earlier calls of {tool.name!r} are still running past their timeout; "
+            "not starting another"
+        )
+    finished = abandoned = False
+
+    def run() -> Any:
+        nonlocal finished
+        try:
+            return call()
+        finally:
+            with _stuck_lock:
+                finished = True
+                if abandoned:
+                    _stuck[tool.fn] -= 1
+
+    try:
+        return await in_daemon_thread(run)
+    except BaseException:
+        with _stuck_lock:
+            if not finished:
+                abandoned = True
+                _stuck[tool.fn] += 1
+        raise
 
 
 @functools.lru_cache(maxsize=1024)
@@ -150,6 +197,8 @@ async def _run_one(call: ToolCall, tools: dict[str, Tool], timeout_s: float) -> 
     except TimeoutError:
         # A sync tool's thread cannot be stopped; it finishes in the background, unread.
         return failed(f"tool {call.name!r} timed out after {timeout_s:g} s")
+    except _ToolStuck as e:
+        return failed(str(e))
     except ValidationError as e:
         problems = "; ".join(
             f"{'.'.join(map(str, err['loc'])) or 'arguments'}: {err['msg']}" for err in e.errors()

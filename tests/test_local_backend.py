@@ -170,6 +170,44 @@ async def test_weight_sync_swaps_between_batches_and_waits_for_no_running_one(
     await backend.shutdown()
 
 
+async def test_two_batches_run_at_once_and_a_load_waits_only_for_batches_on_its_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend = await started(async_config(local={"sampler_batches": 2}))
+    assert backend.sampler.parallel == 2
+    entered, release = threading.Event(), threading.Event()
+    real = sampler_module.generate_batch
+
+    def first_held(*args: Any, **kw: Any) -> list[ModelOutput]:
+        if not entered.is_set():
+            entered.set()
+            assert release.wait(10), "the test never released the batch"
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sampler_module, "generate_batch", first_held)
+    greedy = {"temperature": 0.0, "max_tokens": 4}
+    held = asyncio.create_task(sample(backend, PROMPTS[0], 1, **greedy))
+    try:
+        assert await asyncio.to_thread(entered.wait, 10), "the first batch never started"
+        async with asyncio.timeout(10):  # a second batch runs while the first is held
+            other = await sample(backend, PROMPTS[1], 2, **greedy)
+        assert other.completion_ids and not held.done()
+        assert backend.sampler.batches == 1, "the second batch ended, the first still runs"
+        async with asyncio.timeout(10):
+            await backend.on_policy_updated(1)  # loads the standby copy: nothing runs on it
+        # The next load goes into the copy the held batch runs on: it waits for that batch.
+        second = asyncio.create_task(backend.on_policy_updated(2))
+        done, _ = await asyncio.wait([second], timeout=0.3)
+        assert not done, "the load did not wait for the batch on its copy"
+    finally:
+        release.set()
+    async with asyncio.timeout(10):
+        await second
+        old = await held
+    assert old.policy_version == 0 and backend.sampler.version == 2
+    await backend.shutdown()
+
+
 async def test_checkpoint_round_trip_reproduces_the_next_step(tmp_path: Path) -> None:
     first = await started()
     outputs = [await sample(first, p, i) for i, p in enumerate(PROMPTS)]

@@ -53,6 +53,16 @@ def test_other_weights_empty_the_cache() -> None:
     assert cache.nbytes == 0
 
 
+def test_a_batch_on_older_weights_neither_reads_nor_clears_the_newer_entries() -> None:
+    cache = PrefixCache(max_bytes=1 << 20)
+    cache.put([1, 2, 3], kv(3), generation=1)
+    assert cache.get([1, 2, 3, 4], generation=0) is None
+    cache.put([5, 6, 7], kv(3), generation=0)  # a batch still running on the old weights
+    assert len(cache) == 1 and cache.get([5, 6, 7, 8], generation=1) is None
+    found = cache.get([1, 2, 3, 4], generation=1)
+    assert found is not None and found.length == 3
+
+
 def test_least_recently_used_entries_go_first_within_the_budget() -> None:
     entry = kv(3).keys.nbytes * 2
     cache = PrefixCache(max_bytes=2 * entry)

@@ -5,11 +5,13 @@ tool's result. Prefilling all of it again makes every turn cost the conversation
 sampler keeps each finished request's keys and values here and the next prompt that starts with
 its tokens prefills only what is new. Entries belong to one set of weights (`generation`): keys
 and values computed by other weights would give other logprobs, so a new generation empties the
-cache. Least recently used entries go first once `max_bytes` is reached.
+cache. Least recently used entries go first once `max_bytes` is reached. Batches running at once
+share it (it locks); one still running on older weights neither reads nor clears it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -57,7 +59,7 @@ def _prefix_hashes(tokens: list[int]) -> list[int]:
 class PrefixCache:
     """Finished sequences' keys and values, found by the longest stored prefix of a prompt.
 
-    Not thread-safe: the sampler runs one batch at a time and only that batch uses it.
+    Thread-safe: the sampler's batches running at once share it.
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -71,27 +73,28 @@ class PrefixCache:
         self._index: dict[tuple[int, int], int] = {}
         self._lengths: dict[int, int] = {}  # stored key length -> how many keys have it
         self._next_id = 0
+        self._lock = threading.Lock()
 
     def get(self, tokens: list[int], generation: int) -> KeyValues | None:
         """The keys and values of the longest stored prefix of `tokens` shorter than `tokens`
         (the last token is always run: its logits are the next token's), or None."""
-        self._use(generation)
-        self.lookups += 1
-        if not self._entries:
-            return None
         hashes = _prefix_hashes(tokens)
-        for n in sorted((n for n in self._lengths if n < len(tokens)), reverse=True):
-            entry_id = self._index.get((n, hashes[n]))
-            if entry_id is None:
-                continue
-            entry = self._entries[entry_id]
-            if entry.tokens[:n] != tokens[:n]:  # a hash collision
-                continue
-            self._entries.move_to_end(entry_id)
-            self.hits += 1
-            self.reused_tokens += n
-            return entry.kv.first(n)
-        return None
+        with self._lock:
+            self.lookups += 1
+            if not self._use(generation) or not self._entries:
+                return None
+            for n in sorted((n for n in self._lengths if n < len(tokens)), reverse=True):
+                entry_id = self._index.get((n, hashes[n]))
+                if entry_id is None:
+                    continue
+                entry = self._entries[entry_id]
+                if entry.tokens[:n] != tokens[:n]:  # a hash collision
+                    continue
+                self._entries.move_to_end(entry_id)
+                self.hits += 1
+                self.reused_tokens += n
+                return entry.kv.first(n)
+            return None
 
     def put(self, tokens: list[int], kv: KeyValues, generation: int, also: int = 0) -> None:
         """Store `kv`, the keys and values of `tokens`; found by prompts extending `tokens`, and
@@ -99,36 +102,43 @@ class PrefixCache:
         back re-encoded, perhaps into other tokens)."""
         if kv.length != len(tokens) or not tokens:
             raise ValueError(f"{kv.length} keys and values for {len(tokens)} tokens")
-        self._use(generation)
         nbytes = kv.keys.nbytes + kv.values.nbytes
         if nbytes > self.max_bytes:
             return
         hashes = _prefix_hashes(tokens)
         lengths = {len(tokens), *([also] if 0 < also < len(tokens) else [])}
         keys = [(n, hashes[n]) for n in sorted(lengths)]
-        entry_id = self._next_id
-        self._next_id += 1
-        for key in keys:
-            if key in self._index:
-                self._drop(self._index[key])
-        self._entries[entry_id] = _Entry(list(tokens), kv, keys, nbytes)
-        for key in keys:
-            self._index[key] = entry_id
-            self._lengths[key[0]] = self._lengths.get(key[0], 0) + 1
-        self.nbytes += nbytes
-        while self.nbytes > self.max_bytes:
-            self._drop(next(iter(self._entries)))
+        with self._lock:
+            if not self._use(generation):
+                return
+            entry_id = self._next_id
+            self._next_id += 1
+            for key in keys:
+                if key in self._index:
+                    self._drop(self._index[key])
+            self._entries[entry_id] = _Entry(list(tokens), kv, keys, nbytes)
+            for key in keys:
+                self._index[key] = entry_id
+                self._lengths[key[0]] = self._lengths.get(key[0], 0) + 1
+            self.nbytes += nbytes
+            while self.nbytes > self.max_bytes:
+                self._drop(next(iter(self._entries)))
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _use(self, generation: int) -> None:
-        if generation != self.generation:
+    def _use(self, generation: int) -> bool:
+        """Whether entries of `generation` may be read and stored: newer weights empty the cache;
+        older ones (a batch still running on them) leave it as it is."""
+        if generation < self.generation:
+            return False
+        if generation > self.generation:
             self._entries.clear()
             self._index.clear()
             self._lengths.clear()
             self.nbytes = 0
             self.generation = generation
+        return True
 
     def _drop(self, entry_id: int) -> None:
         entry = self._entries.pop(entry_id)

@@ -4,7 +4,9 @@
 tokens, stop strings, seed). `BatchingSampler` serves concurrent async requests: requests that
 arrive while a batch runs join the next batch. No background task is needed: the first waiting
 request whose batch has not run yet starts it in a worker thread; a request cancelled meanwhile
-(e.g. by a workflow timeout) does not lose the batch for the others.
+(e.g. by a workflow timeout) does not lose the batch for the others. With `parallel` > 1, up to
+that many batches run at once, each in its own thread: an agent's turns reach the sampler at
+different times, and a batch that starts while another decodes keeps a second core busy.
 
 The sampler holds its own copy of the policy's weights, so asynchronous training really samples
 from an older policy. `load_weights` (the weight sync) loads the new weights into a second,
@@ -263,7 +265,7 @@ def _text(
 
 
 class _Weights:
-    """One copy of the sampling weights, its policy version, and the lock a batch holds on it.
+    """One copy of the sampling weights, its policy version, and the batches running on it.
 
     `generation` changes with every load: what the prefix cache holds from other weights is
     not reused, even under the same version number (a checkpoint loaded again)."""
@@ -274,7 +276,13 @@ class _Weights:
         self.model = model
         self.version = version
         self.generation = next(self._loads)
-        self.in_use = threading.Lock()
+        self.batches = 0  # running on these weights
+        self.unused = threading.Condition()
+
+    def release(self) -> None:
+        with self.unused:
+            self.batches -= 1
+            self.unused.notify_all()
 
 
 class BatchingSampler:
@@ -289,6 +297,7 @@ class BatchingSampler:
         partial_rollout: bool = False,
         threads: int | None = None,
         prefix_cache_mb: float = 0.0,
+        parallel: int = 1,
     ) -> None:
         sampling = copy.deepcopy(model).eval()
         for p in sampling.parameters():
@@ -301,13 +310,14 @@ class BatchingSampler:
         self.max_batch = max_batch
         self.partial_rollout = partial_rollout
         self.threads = threads  # torch CPU threads of each batch; None: the worker thread's own
+        self.parallel = parallel  # batches that may run at once
         # Keys and values of finished requests, for the prompts that extend them (an agent's
-        # next turn); used only by the batch running, one at a time.
+        # next turn); shared by the running batches.
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb else None
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self.batches = 0
         self._queue: list[Request] = []
-        self._running: asyncio.Future[Any] | None = None
+        self._running: set[asyncio.Future[Any]] = set()
         self._batch_done: asyncio.Future[None] | None = None
 
     @property
@@ -330,7 +340,11 @@ class BatchingSampler:
             standby = self._standby
             if standby is None:
                 standby = _Weights(copy.deepcopy(self._current.model), version)
-            with standby.in_use, torch.no_grad():
+            # No batch starts on the standby copy (only on the current one): wait for those
+            # still running on it.
+            with standby.unused:
+                standby.unused.wait_for(lambda: standby.batches == 0)
+            with torch.no_grad():
                 standby.model.load_state_dict(state_dict)
                 standby.version = version
                 standby.generation = next(_Weights._loads)
@@ -347,10 +361,10 @@ class BatchingSampler:
         self._queue.append(request)
         try:
             while not request.future.done():
-                if self._running is None:
+                if len(self._running) < self.parallel and request in self._queue:
                     # Let requests made in the same tick (e.g. a gather) join this batch.
                     await asyncio.sleep(0)
-                if self._running is None:
+                if len(self._running) < self.parallel and request in self._queue:
                     self._start_batch(loop)
                 if self._batch_done is None or self._batch_done.done():
                     self._batch_done = loop.create_future()
@@ -366,9 +380,9 @@ class BatchingSampler:
                     self._queue.remove(request)
 
     async def wait_idle(self) -> None:
-        """Wait for the batch running in the worker thread, if any."""
-        if self._running is not None:
-            await asyncio.wait([self._running])
+        """Wait for the batches running in worker threads, if any."""
+        if self._running:
+            await asyncio.wait(list(self._running))
 
     def _start_batch(self, loop: asyncio.AbstractEventLoop) -> None:
         batch = [r for r in self._queue[: self.max_batch] if r.future and not r.future.done()]
@@ -376,10 +390,10 @@ class BatchingSampler:
         if not batch:
             return
         running = loop.run_in_executor(None, self._run, batch)
-        self._running = running
+        self._running.add(running)
 
         def deliver(done: asyncio.Future[list[ModelOutput]]) -> None:
-            self._running = None
+            self._running.discard(done)
             self.batches += 1
             error = (
                 asyncio.CancelledError("sampling batch cancelled")
@@ -409,7 +423,8 @@ class BatchingSampler:
     def _run(self, batch: list[Request]) -> list[ModelOutput]:
         with self._swap:
             weights = self._current
-            weights.in_use.acquire()
+            with weights.unused:
+                weights.batches += 1
 
         def swapped() -> bool:
             return self._current is not weights
@@ -428,4 +443,4 @@ class BatchingSampler:
                 generation=weights.generation,
             )
         finally:
-            weights.in_use.release()
+            weights.release()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import typing
 
@@ -14,10 +15,12 @@ from unified.advantages import (
     compute_advantages,
     dr_grpo,
     grpo,
+    max_variance_subset,
     reinforce,
     rloo,
 )
-from unified.config import TrainerSection
+from unified.config import TrainerSection, load_config
+from unified.errors import ConfigError
 
 # Mean 5, population std 2: every advantage below is exact arithmetic on small numbers.
 REWARDS = [2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]
@@ -114,3 +117,28 @@ def test_estimators_are_exactly_the_names_config_accepts() -> None:
     config_names = set(typing.get_args(TrainerSection.model_fields["advantage"].annotation))
 
     assert set(ESTIMATORS) == config_names, "trainer.advantage and ESTIMATORS must agree"
+
+
+@given(finite_rewards, st.integers(min_value=2, max_value=8))
+def test_max_variance_subset_has_the_largest_spread_of_all_subsets(
+    rewards: list[float], k: int
+) -> None:
+    rewards = rewards[:10]  # every subset is enumerated below
+    k = min(k, len(rewards))
+
+    def spread(indices: typing.Iterable[int]) -> float:
+        values = [rewards[i] for i in indices]
+        mean = math.fsum(values) / len(values)
+        return math.fsum((v - mean) ** 2 for v in values)
+
+    chosen = max_variance_subset(rewards, k)
+    assert len(chosen) == k and chosen == sorted(set(chosen))
+    best = max(spread(c) for c in itertools.combinations(range(len(rewards)), k))
+    assert spread(chosen) == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
+def test_keep_per_group_is_at_least_two_and_at_most_the_group() -> None:
+    with pytest.raises(ValueError, match="greater than or equal to 2"):
+        TrainerSection(keep_per_group=1)
+    with pytest.raises(ConfigError, match=r"keep_per_group \(9\) must be <= trainer.group_size"):
+        load_config({"workflow": "m:W", "trainer": {"group_size": 8, "keep_per_group": 9}})

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from tests.bandit import bandit_tasks
+from unified.advantages import compute_advantages
 from unified.checkpoint import LedgerEntry
 from unified.coordinator import SyncCoordinator
 from unified.data import TaskSampler
@@ -23,15 +24,23 @@ def coordinator(**kw: int) -> SyncCoordinator:
     return SyncCoordinator(**args)
 
 
-def buffer(c: SyncCoordinator, lines: list[LedgerEntry], **kw: float) -> TrajectoryGroupBuffer:
+def buffer(
+    c: SyncCoordinator,
+    lines: list[LedgerEntry],
+    *,
+    stall_timeout_s: float = 5.0,
+    group_size: int = 2,
+    keep_per_group: int | None = None,
+) -> TrajectoryGroupBuffer:
     return TrajectoryGroupBuffer(
         c,
         TaskSampler(bandit_tasks(8), seed=0),
         lines.extend,
-        group_size=2,
+        group_size=group_size,
         advantage="grpo",
         filter_groups=True,
-        stall_timeout_s=kw.get("stall_timeout_s", 5.0),
+        stall_timeout_s=stall_timeout_s,
+        keep_per_group=keep_per_group,
     )
 
 
@@ -124,6 +133,20 @@ def test_group_ends_once_and_untrained_ones_free_their_slot() -> None:
     assert groups.in_flight() == [(filtered.task_id, filtered.seq), (ready.task_id, ready.seq)], (
         "until their ledger lines are written both count as in flight"
     )
+
+
+def test_a_group_trains_on_the_rollouts_its_rewards_spread_most_and_reports_them_all() -> None:
+    groups = buffer(coordinator(), [], group_size=6, keep_per_group=4)
+    ticket, _ = groups.dispatch()
+    rewards = [0.5, 0.0, 1.0, 0.4, 0.0, 0.9]
+    for index, reward in enumerate(rewards):
+        groups.add_episode(ticket, episode(index, reward))
+    item = groups.take_ready()
+    assert item is not None
+    ready, group = item
+    assert [e.rollout_index for e in group.episodes] == [1, 2, 4, 5], "the two lowest, two highest"
+    assert group.advantages == pytest.approx(compute_advantages("grpo", [0.0, 1.0, 0.0, 0.9]))
+    assert ready.rewards == tuple(rewards), "reward metrics cover every rollout"
 
 
 async def test_ended_groups_leave_in_flight_when_their_line_is_written() -> None:

@@ -192,6 +192,33 @@ def test_all_filtered_groups_end_the_run_with_a_clear_message(make_config: Confi
         assert not run_dir.exists(), "a run that trained nothing leaves no directory to rerun over"
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_keep_per_group_trains_fewer_rollouts_and_reports_every_reward(
+    make_config: ConfigFactory, mode: str
+) -> None:
+    class Recording(BanditBackend):
+        sizes: list[int] = []
+        trained_rewards: list[float] = []
+
+        async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+            for group in groups:
+                self.sizes.append(len(group.episodes))
+                self.trained_rewards += [e.reward for e in group.episodes]
+            return await super().forward_backward(groups)
+
+    config = make_config(
+        name=mode, mode=mode, trainer={"total_steps": 3, "group_size": 6, "keep_per_group": 2}
+    )
+    backend = Recording()
+    fit(config, backend)
+    assert backend.sizes and set(backend.sizes) == {2}, backend.sizes
+    run_dir = Path(config["logging"]["run_dir"]) / mode
+    steps = [m for m in metrics_lines(run_dir) if "reward/mean" in m]
+    assert len(steps) == 3
+    # Max-variance pairs are one lowest and one highest reward: their mean is not the groups'.
+    assert backend.trained_rewards.count(0.0) == backend.trained_rewards.count(1.0)
+
+
 def test_every_dispatched_group_ends_once_with_filtering_and_errors(
     make_config: ConfigFactory,
 ) -> None:

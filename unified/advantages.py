@@ -18,6 +18,7 @@ __all__ = [
     "compute_advantages",
     "dr_grpo",
     "grpo",
+    "max_variance_subset",
     "reinforce",
     "rloo",
 ]
@@ -91,3 +92,24 @@ def compute_advantages(name: str, rewards: Sequence[float]) -> list[float]:
     if bad:
         raise ValueError(f"rewards must be finite numbers, got {bad[0]} in {list(rewards)}")
     return estimator(rewards)
+
+
+def max_variance_subset(rewards: Sequence[float], k: int) -> list[int]:
+    """Indices of the `k` rewards whose variance is largest, in index order.
+
+    Max-variance down-sampling (PODS, Xu et al. 2025): the best subset is always some of the
+    lowest rewards and the rest of the highest, so it is found among `k + 1` candidates.
+    """
+    if k >= len(rewards):
+        return list(range(len(rewards)))
+    order = sorted(range(len(rewards)), key=lambda i: rewards[i])
+    best: tuple[float, list[int]] | None = None
+    for low in range(k + 1):
+        pick = order[:low] + order[len(order) - (k - low) :]
+        values = [rewards[i] for i in pick]
+        mean = math.fsum(values) / k
+        spread = math.fsum((v - mean) ** 2 for v in values)
+        if best is None or spread > best[0]:
+            best = (spread, pick)
+    assert best is not None
+    return sorted(best[1])

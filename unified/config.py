@@ -74,6 +74,13 @@ class TrainerSection(_Section):
     )
     batch_size: int = Field(8, ge=1, description="Groups (tasks) per optimizer step.")
     group_size: int = Field(8, ge=1, description="Rollouts per task.")
+    keep_per_group: int | None = Field(
+        None,
+        ge=2,
+        description="Train on this many of each group's rollouts: those whose rewards spread "
+        "the most (max-variance down-sampling, PODS), advantages over them. Sampling is often "
+        "cheaper than training: the same learning per step for less training compute. Null: all.",
+    )
     micro_batch_size: int | None = Field(
         None,
         ge=1,
@@ -263,6 +270,11 @@ class TrainerConfig(_Section):
             raise ValueError(
                 f"trainer.micro_batch_size ({t.micro_batch_size}) must be <= trainer.batch_size "
                 f"({t.batch_size})"
+            )
+        if t.keep_per_group is not None and t.keep_per_group > t.group_size:
+            raise ValueError(
+                f"trainer.keep_per_group ({t.keep_per_group}) must be <= trainer.group_size "
+                f"({t.group_size})"
             )
         if t.stall_timeout <= t.workflow_timeout:
             raise ValueError(

@@ -15,10 +15,10 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from unified.advantages import compute_advantages
+from unified.advantages import compute_advantages, max_variance_subset
 from unified.checkpoint import LedgerEntry
 from unified.coordinator import SyncCoordinator
 from unified.data import TaskSampler
@@ -38,6 +38,9 @@ class GroupTicket:
     seq: int
     group_id: str = field(compare=False)
     task_id: str = field(compare=False)
+    # The rewards of all its usable episodes, once it ended ready: with `keep_per_group` the
+    # group trains on fewer, and the reward metrics still cover every one.
+    rewards: tuple[float, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,11 @@ class TrajectoryGroupBuffer:
         advantage: str,
         filter_groups: bool,
         stall_timeout_s: float,
+        keep_per_group: int | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.group_size = group_size
+        self.keep_per_group = keep_per_group
         self.advantage = advantage
         self.filter_groups = filter_groups
         self.next_seq = 0
@@ -143,14 +148,17 @@ class TrajectoryGroupBuffer:
             self._end_untrained(EndedGroup(ticket, "filtered", oldest, reason, tuple(rewards)))
         else:
             self.unproductive_in_a_row = 0
+            kept = usable
+            if self.keep_per_group is not None:
+                kept = [usable[i] for i in max_variance_subset(rewards, self.keep_per_group)]
             group = TrajectoryGroup(
                 task_id=ticket.task_id,
-                episodes=usable,
-                advantages=compute_advantages(self.advantage, rewards),
+                episodes=kept,
+                advantages=compute_advantages(self.advantage, [e.reward for e in kept]),
                 policy_version=oldest,
                 group_id=ticket.group_id,
             )
-            heapq.heappush(self._ready, (ticket, group))
+            heapq.heappush(self._ready, (replace(ticket, rewards=tuple(rewards)), group))
 
     def _end_untrained(self, ended: EndedGroup) -> None:
         self.unproductive_in_a_row += 1

@@ -105,6 +105,7 @@ class TrainingLoop:
             advantage=settings.advantage,
             filter_groups=settings.filter_groups,
             stall_timeout_s=settings.stall_timeout,
+            keep_per_group=settings.keep_per_group,
         )
         self.slots = WorkflowSlots.for_config(config)
         self.calls = BackendCalls(backend, settings, self.describe)
@@ -343,8 +344,8 @@ class TrainingLoop:
         self.metrics.record_many(reply)
         train_s = forward_s + time.monotonic() - train_started
         self.step += 1
-        for _, group in items:
-            self._record_rewards([e.reward for e in group.episodes])
+        for ticket, group in items:
+            self._record_rewards(ticket.rewards or [e.reward for e in group.episodes])
         reason = ""
         if bad:  # a backend that cannot drop the gradients (tinker) applies the update anyway
             done = "update skipped" if skipped else "update applied (the backend cannot skip it)"

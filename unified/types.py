@@ -303,7 +303,8 @@ class Episode(_Model):
 
 
 class TrajectoryGroup(_Model):
-    """The `group_size` rollouts of one task: the unit that is filtered, advantaged and trained.
+    """The rollouts of one task: the unit that is filtered, advantaged and trained. All
+    `group_size` of them, or the `trainer.keep_per_group` whose rewards spread the most.
 
     `advantages` has one entry per episode; `policy_version` is the oldest version any token of
     the group came from (or the version it was dispatched at, if older).

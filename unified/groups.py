@@ -38,7 +38,7 @@ class GroupTicket:
     seq: int
     group_id: str = field(compare=False)
     task_id: str = field(compare=False)
-    # The rewards of all its usable episodes, once it ended ready: with `keep_per_group` the
+    # The rewards of all its usable episodes, set when it ends ready: with `keep_per_group` the
     # group trains on fewer, and the reward metrics still cover every one.
     rewards: tuple[float, ...] = field(default=(), compare=False)
 

@@ -344,8 +344,8 @@ class TrainingLoop:
         self.metrics.record_many(reply)
         train_s = forward_s + time.monotonic() - train_started
         self.step += 1
-        for ticket, group in items:
-            self._record_rewards(ticket.rewards or [e.reward for e in group.episodes])
+        for ticket, _ in items:
+            self._record_rewards(ticket.rewards)
         reason = ""
         if bad:  # a backend that cannot drop the gradients (tinker) applies the update anyway
             done = "update skipped" if skipped else "update applied (the backend cannot skip it)"

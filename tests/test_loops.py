@@ -193,7 +193,7 @@ def test_all_filtered_groups_end_the_run_with_a_clear_message(make_config: Confi
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_keep_per_group_trains_fewer_rollouts_and_reports_every_reward(
+def test_keep_per_group_trains_the_most_spread_rollouts_in_both_loops(
     make_config: ConfigFactory, mode: str
 ) -> None:
     class Recording(BanditBackend):
@@ -215,7 +215,7 @@ def test_keep_per_group_trains_fewer_rollouts_and_reports_every_reward(
     run_dir = Path(config["logging"]["run_dir"]) / mode
     steps = [m for m in metrics_lines(run_dir) if "reward/mean" in m]
     assert len(steps) == 3
-    # Max-variance pairs are one lowest and one highest reward: their mean is not the groups'.
+    # Of 0/1 rewards, the pair that spreads most is one of each.
     assert backend.trained_rewards.count(0.0) == backend.trained_rewards.count(1.0)
 
 

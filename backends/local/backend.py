@@ -81,7 +81,7 @@ class LocalConfig(BaseModel):
         description="Sampling batches that may run at once, each in its own thread. Default: 2 "
         "when the threads are split (async mode): an agent's turns reach the sampler at "
         "different times, and a second batch starts while the first decodes (async tool-agent "
-        "steps 1.2-1.4x faster on 2 cores, docs/benchmarks.md); else 1.",
+        "steps 1.18x faster on 2 cores, docs/benchmarks.md); else 1.",
     )
     prefix_cache_mb: float = Field(
         256,

@@ -495,6 +495,27 @@ async def test_local_full_kl_takes_the_vocabulary_wide_log_probs(
     await backend.shutdown()
 
 
+@pytest.mark.parametrize("estimator", ["k3", "full"])
+async def test_local_reports_the_kl_to_the_reference(estimator: str) -> None:
+    """`train/kl_reference`, as the tinker and verl backends report it: 0 while the policy is the
+    reference, above 0 once an update moved it; absent without a KL term."""
+    config = local_config(kl_coef=0.1, lr=1e-2).model_copy(
+        update={"local": {"kl_estimator": estimator}}
+    )
+    backend = await started(config)
+    out = await sample(backend, PROMPTS[0], 0)
+    groups = [group_of([out, await sample(backend, PROMPTS[0], 1)], [1.0, 0.0])]
+    before = await backend.forward_backward(groups)
+    await backend.optim_step()
+    after = await backend.forward_backward(groups)
+    assert abs(before["train/kl_reference"]) < 1e-6 and after["train/kl_reference"] > 1e-6
+    await backend.shutdown()
+    plain = await started(local_config(kl_coef=0.0))
+    metrics = await plain.forward_backward([group_of([await sample(plain, PROMPTS[0], 0)], [1.0])])
+    assert "train/kl_reference" not in metrics
+    await plain.shutdown()
+
+
 @pytest.mark.parametrize("kl_clamp", [None, 10.0])
 async def test_local_kl_clamp_reaches_the_kl_term(
     monkeypatch: pytest.MonkeyPatch, kl_clamp: float | None

@@ -331,6 +331,7 @@ class LocalBackend(BackendProtocol):
         totals = {
             "loss": 0.0,
             "kl": 0.0,
+            "kl_reference": 0.0,
             "entropy": 0.0,
             "clipped": 0.0,
             "ratio": 0.0,
@@ -361,6 +362,8 @@ class LocalBackend(BackendProtocol):
             "train/clip_frac": totals["clipped"] / n,
             "train/ratio_mean": totals["ratio"] / n,
         }
+        if self.reference is not None and self.config.trainer.kl_coef > 0:
+            metrics["train/kl_reference"] = totals["kl_reference"] / n
         if self.tis_cap is not None:
             metrics["train/is_ratio_mean"] = totals["is_weight"] / n
             metrics["train/is_clipped_frac"] = totals["is_capped"] / n
@@ -414,6 +417,7 @@ class LocalBackend(BackendProtocol):
             else:
                 kl_T = kl_penalty(logp_T, ref.logp_T, clamp)
             loss_T = loss_T + t.kl_coef * kl_T
+            totals["kl_reference"] += float(kl_T.detach().sum())
         if t.entropy_coef > 0:
             loss_T = loss_T - t.entropy_coef * entropy_T
         weighted = (loss_T * weights_T.to(self.device)).sum()

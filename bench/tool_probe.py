@@ -8,11 +8,14 @@ sampled calls that were well-formed, with the malformed ones grouped by what bro
 build a variant tool warm start (the default recipe otherwise) in `--into`, cached like the
 default one; `--model` probes another model directory, `--checkpoint` a run's checkpoint (its
 backend directory, loaded over the model), and `--set` passes config overrides (another
-workflow, say).
+workflow, say). `--greedy` runs the eval problems at the eval settings instead, as the run's
+evaluations do, and also prints which attempt hit, how often the second check repeated the
+first, and the shapes of the checked expressions (each of the task's numbers written `n`).
 
     python bench/tool_probe.py --problems 512
     python bench/tool_probe.py --steps 100 --lr 2e-3 --into .cache/tool-warmstart-100-2e-3
     python bench/tool_probe.py --checkpoint runs/NAME/checkpoints/step_000100/backend
+    python bench/tool_probe.py --greedy --problems 500 --checkpoint runs/NAME/checkpoints/step_N/...
 """
 
 from __future__ import annotations
@@ -20,21 +23,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.countdown.prepare import TOOL_WARMSTART_DIR, TOOL_WARMSTART_RECIPE, ensure_warmstart
+from examples.countdown.reward import countdown_reward
 from examples.countdown.tasks import make_tasks
 from unified.config import load_config
 from unified.evaluation import tool_call_metrics
 from unified.protocol import create_backend
 from unified.rollout import SamplingEngine, WorkflowDeadlines, resolve_workflow, run_episode
-from unified.types import Episode
+from unified.types import Episode, Task
 from workflows.tool_calls import parse_tool_calls
 
 CONFIG = "examples/countdown/local_tool_async.yaml"
@@ -46,7 +52,8 @@ async def probe(
     seed: int,
     overrides: Sequence[str] = (),
     checkpoint: Path | None = None,
-) -> tuple[dict[str, float], dict[str, tuple[int, str]]]:
+    greedy: bool = False,
+) -> tuple[dict[str, float], dict[str, tuple[int, str]], dict[str, Any]]:
     config = load_config(CONFIG, [f"model={model}", *overrides])
     backend = create_backend(config.backend)
     await backend.setup(config)
@@ -55,9 +62,13 @@ async def probe(
             await backend.load_checkpoint(checkpoint)
         engine = backend.rollout_engine()
         workflow = resolve_workflow(config.workflow)
-        defaults = config.sampling.train.model_dump()
+        settings = config.sampling.eval if greedy else config.sampling.train
+        defaults = settings.model_dump()
         deadlines = WorkflowDeadlines(config.trainer.workflow_timeout)
-        tasks = make_tasks(problems, split="train", seed=seed)
+        if greedy:  # the problems a run evaluates on (the config's `data.eval`)
+            tasks = make_tasks(problems, split="eval")
+        else:
+            tasks = make_tasks(problems, split="train", seed=seed)
 
         async def one(index: int) -> Episode:
             view = SamplingEngine(engine, defaults, seed + index)
@@ -86,7 +97,42 @@ async def probe(
         "calls_well_formed": calls.get("eval/tool_calls_well_formed", 0.0),
         "errors": float(sum(e.status != "ok" for e in episodes)),
     }
-    return result, malformed_calls(episodes)
+    return result, malformed_calls(episodes), attempts(episodes, tasks)
+
+
+def attempts(episodes: list[Episode], tasks: list[Task]) -> dict[str, Any]:
+    """What the episodes' attempts (checks and answers) did: which one hit, whether the second
+    repeated the first, and the checked expressions' shapes, the task's numbers written `n`."""
+    hit_at: Counter[int] = Counter()
+    second, repeated = 0, 0
+    shapes: Counter[str] = Counter()
+    for episode, task in zip(episodes, tasks, strict=True):
+        tried: list[str] = []
+        for trajectory in episode.trajectories:
+            for step in trajectory.steps:
+                calls = parse_tool_calls(step.output.text)
+                if not calls:
+                    tried.append(step.output.text.strip())
+                elif calls[0].error is None:
+                    tried.append(str(calls[0].arguments.get("expr", "")))
+                    shapes[_shape(tried[-1], task.data["numbers"])] += 1
+        hits = [countdown_reward(expr, task.data)[1] for expr in tried]
+        if any(hits):
+            hit_at[hits.index(True) + 1] += 1
+        if len(tried) >= 2:
+            second += 1
+            repeated += tried[1] == tried[0]
+    return {
+        "solved_at_attempt": dict(sorted(hit_at.items())),
+        "episodes_with_a_second_attempt": second,
+        "second_repeats_first": repeated,
+        "checked_shapes": shapes.most_common(5),
+    }
+
+
+def _shape(expr: str, numbers: list[int]) -> str:
+    """`3*7+12` over the numbers 3 7 12 -> `n*n+n`; a number not in the task stays as written."""
+    return re.sub(r"\d+", lambda m: "n" if int(m.group()) in numbers else m.group(), expr)
 
 
 def malformed_calls(episodes: list[Episode]) -> dict[str, tuple[int, str]]:
@@ -116,6 +162,9 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="a model directory to probe instead")
     parser.add_argument("--checkpoint", type=Path, help="a run checkpoint's backend directory")
     parser.add_argument("--set", action="append", default=[], help="a config override")
+    parser.add_argument(
+        "--greedy", action="store_true", help="the eval problems at the eval settings"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     recipe, directory = TOOL_WARMSTART_RECIPE, TOOL_WARMSTART_DIR
@@ -128,15 +177,15 @@ def main() -> None:
         recipe = recipe.model_copy(update={k: v for k, v in changes.items() if v is not None})
         directory = args.into
     model = args.model or ensure_warmstart(directory, recipe)
-    result, malformed = asyncio.run(
-        probe(model, args.problems, args.seed, args.set, args.checkpoint)
+    result, malformed, tries = asyncio.run(
+        probe(model, args.problems, args.seed, args.set, args.checkpoint, args.greedy)
     )
     probed = f"tool warm start {recipe.steps} steps at lr {recipe.lr:g}"
     if args.model is not None:
         probed = f"model {args.model}"
     if args.checkpoint is not None:
         probed = f"checkpoint {args.checkpoint} over {model}"
-    print(f"{probed}, sampled at the train settings:")
+    print(f"{probed}, {'greedy on the eval' if args.greedy else 'sampled at the train'} settings:")
     print(f"  answer at once: {result['episodes_answering']:4.0f} episodes, "
           f"mean reward {result['answer_mean_reward']:.3f}")  # fmt: skip
     print(f"  check first:    {result['episodes_checking']:4.0f} episodes, "
@@ -144,6 +193,12 @@ def main() -> None:
     print(f"  calls well-formed: {result['calls_well_formed']:.1%}; errors: {result['errors']:.0f}")
     for kind, (n, example) in malformed.items():
         print(f"  malformed, {kind}: {n}, e.g. {example!r}")
+    if args.greedy:
+        solved = tries["solved_at_attempt"]
+        print(f"  solved: {sum(solved.values())} of {args.problems}, at attempt {solved}")
+        print(f"  the second attempt repeated the first in {tries['second_repeats_first']} of "
+              f"{tries['episodes_with_a_second_attempt']} episodes with one")  # fmt: skip
+        print(f"  checked expressions by shape: {tries['checked_shapes']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

@@ -101,11 +101,27 @@ def test_calls_are_parsed_in_order_and_a_reply_without_one_is_an_answer() -> Non
         ('<tool_call>{"name": "add", "arguments": [1]}</tool_call>', "must be an object"),
         ('<tool_call>{"name": "add", "arguments": {}}', "not closed"),
         ("<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>", "nested too deeply"),
+        # Past Python's integer-conversion limit json raises a plain ValueError.
+        ('<tool_call>{"name": "add", "arguments": {"a": ' + "9" * 5000 + "}}</tool_call>", "JSON"),
     ],
 )
 def test_a_malformed_call_is_parsed_into_an_error_not_raised(text: str, error: str) -> None:
     (parsed,) = parse_tool_calls(text)
     assert parsed.error is not None and error in parsed.error
+
+
+def test_a_reply_repeating_the_opening_marker_parses_in_linear_time() -> None:
+    """A policy stuck repeating `<tool_call>` (one token) must not stall the event loop."""
+    small, large = "<tool_call>" * 2_000, "<tool_call>" * 32_000
+    timings = []
+    for text in (small, large):
+        start = time.perf_counter()
+        (parsed,) = parse_tool_calls(text)
+        timings.append(time.perf_counter() - start)
+        assert parsed.error is not None and "not closed" in parsed.error
+    assert timings[1] < 0.5, f"{timings[1]:.2f} s for 32k markers"
+    marker_inside = f"<tool_call>x{call('add', a=1)}"
+    assert [c.error is not None for c in parse_tool_calls(marker_inside)] == [True]
 
 
 async def test_tool_failures_become_error_results_the_model_reads() -> None:
@@ -165,6 +181,38 @@ async def test_exit_and_a_cancelled_error_inside_a_tool_become_error_results() -
         "error: SystemExit: 3",
         "error: tool 'cancels' raised CancelledError",
     ]
+
+
+async def test_a_tools_own_timeout_and_a_bare_base_exception_become_error_results() -> None:
+    async def fetch() -> str:
+        """A client whose socket timed out, well inside the tool's deadline."""
+        raise TimeoutError("read timed out")
+
+    def judge() -> str:
+        """Model-written code raising BaseException (or a test framework's failure)."""
+        raise BaseException("assertion in model code")
+
+    tools = {t.name: t for t in map(Tool.from_function, (fetch, judge))}
+    results = await run_tool_calls([ToolCall("fetch"), ToolCall("judge")], tools, timeout_s=30)
+    assert [r.content for r in results] == [
+        "error: TimeoutError: read timed out",
+        "error: BaseException: assertion in model code",
+    ]
+
+
+async def test_a_lone_surrogate_echoed_by_a_tool_still_encodes_in_the_next_prompt() -> None:
+    def echo(text: str) -> str:
+        """Return the text."""
+        return text
+
+    tools = {"echo": Tool.from_function(echo)}
+    (parsed,) = parse_tool_calls(
+        '<tool_call>{"name": "echo", "arguments": {"text": "a\\ud800b"}}</tool_call>'
+    )
+    (result,) = await run_tool_calls([parsed], tools, timeout_s=5)
+    content = result.message()["content"]
+    assert result.ok and content == "a?b"
+    content.encode("utf-8")  # what a tokenizer does first
 
 
 async def test_an_async_tool_behind_a_sync_decorator_is_awaited() -> None:
@@ -308,6 +356,29 @@ async def test_end_on_tool_error_ends_the_episode_at_a_failed_call() -> None:
     assert len(trajectory.steps) == 2 and trajectory.reward == 0.0
     assert trajectory.steps[-1].info["done"] and trajectory.steps[-1].info["tool_errors"] == 1
     assert engine.replies == ["5"], "the error was not shown to the model"
+
+
+async def test_calls_past_the_per_turn_limit_count_as_written_and_failed() -> None:
+    class One(Adder):
+        max_calls_per_turn = 1
+
+    engine = ScriptedEngine([call("add", a=1) * 3, "5"])
+    trajectory = await One().run(TASK, engine)
+    info = trajectory.steps[0].info
+    assert (info["tool_calls"], info["tool_errors"]) == (3, 2)
+    tool_messages = [m["content"] for m in engine.prompts[-1] if m["role"] == "tool"]
+    assert tool_messages == ["1", "error: at most 1 calls per turn"]
+
+
+async def test_a_system_prompt_and_the_tools_declaration_share_one_system_message() -> None:
+    class Prompted(Adder):
+        system_prompt = "Be brief."
+
+    engine = ScriptedEngine(["5"])
+    await Prompted().run(TASK, engine)
+    (system, user) = engine.prompts[0]
+    assert system["role"] == "system" and user["role"] == "user"
+    assert system["content"].startswith("Be brief.\n\n") and '"name":"add"' in system["content"]
 
 
 async def test_without_declared_tools_no_system_message_is_added() -> None:

@@ -69,9 +69,7 @@ class MultiTurnWorkflow(Workflow):
             )
         env = self.environment(task)
         transcript = Transcript()
-        if self.system_prompt:
-            transcript.append({"role": "system", "content": self.system_prompt})
-        self._observe(transcript, await env.reset(task))
+        transcript.extend(self._opening(await env.reset(task)))
         steps: list[Step] = []
         for turn in range(self.max_turns):
             prompt = transcript.snapshot()
@@ -96,6 +94,21 @@ class MultiTurnWorkflow(Workflow):
     def step_info(self, env: Environment) -> dict[str, Any]:
         """Extra `Step.info` entries after a turn (e.g. `correct`); none by default."""
         return {}
+
+    def _opening(self, observation: Observation) -> list[dict[str, Any]]:
+        """The first observation as messages, `system_prompt` in front: merged into the
+        environment's own system message if it opens with one (one system message, which some
+        chat templates require)."""
+        if isinstance(observation, str):
+            messages = [{"role": self.observation_role, "content": observation}]
+        else:
+            messages = [dict(m) for m in observation]
+        if not self.system_prompt:
+            return messages
+        if messages and messages[0].get("role") == "system":
+            merged = f"{self.system_prompt}\n\n{messages[0]['content']}"
+            return [{**messages[0], "content": merged}, *messages[1:]]
+        return [{"role": "system", "content": self.system_prompt}, *messages]
 
     def _observe(self, transcript: Transcript, observation: Observation) -> None:
         if isinstance(observation, str):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,8 +18,6 @@ __all__ = ["TOOL_CALL_END", "TOOL_CALL_START", "ToolCall", "parse_tool_calls", "
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
-
-_CALL = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -33,12 +30,21 @@ class ToolCall:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """The tool calls in a model reply, in order; empty when the reply is a final answer."""
-    calls = [_parse_one(body) for body in _CALL.findall(text)]
-    # An opening marker left after the last complete call: the model ran out or forgot to close.
-    tail = _CALL.sub("", text)
-    if TOOL_CALL_START in tail:
-        calls.append(ToolCall(name="", error=f"tool call not closed with {TOOL_CALL_END}"))
+    """The tool calls in a model reply, in order; empty when the reply is a final answer.
+
+    One pass over the text (a reply that repeats the opening marker thousands of times must not
+    cost quadratic time on the event loop).
+    """
+    calls: list[ToolCall] = []
+    position = 0
+    while (start := text.find(TOOL_CALL_START, position)) >= 0:
+        body_start = start + len(TOOL_CALL_START)
+        end = text.find(TOOL_CALL_END, body_start)
+        if end < 0:  # the model ran out or forgot to close: one error for the rest of the reply
+            calls.append(ToolCall(name="", error=f"tool call not closed with {TOOL_CALL_END}"))
+            break
+        calls.append(_parse_one(text[body_start:end]))
+        position = end + len(TOOL_CALL_END)
     return calls
 
 
@@ -47,13 +53,15 @@ def _parse_one(body: str) -> ToolCall:
         call = json.loads(body)
     except json.JSONDecodeError as e:
         return ToolCall(name="", error=f"tool call is not valid JSON ({e.msg} at char {e.pos})")
+    except ValueError as e:  # e.g. an integer past Python's 4300-digit conversion limit
+        return ToolCall(name="", error=f"tool call is not valid JSON ({e})")
     except RecursionError:  # a policy repeating "[" nests past the parser's depth
         return ToolCall(name="", error="tool call is nested too deeply")
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return ToolCall(name="", error='tool call needs {"name": str, "arguments": {...}}')
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # some models emit the arguments as a JSON string
-        with contextlib.suppress(json.JSONDecodeError, RecursionError):
+        with contextlib.suppress(ValueError, RecursionError):  # JSONDecodeError is one
             arguments = json.loads(arguments)
     if not isinstance(arguments, dict):
         got = type(arguments).__name__

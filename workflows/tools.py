@@ -169,8 +169,13 @@ class ToolResult:
     ok: bool
 
     def message(self) -> dict[str, Any]:
-        """The `role: tool` message that shows this result to the model."""
-        return {"role": "tool", "name": self.call.name, "content": self.content}
+        """The `role: tool` message that shows this result to the model.
+
+        Text a tokenizer cannot encode (a lone surrogate the model wrote as a JSON escape, echoed
+        back by the tool) is replaced, so the next turn's prompt always encodes.
+        """
+        content = self.content.encode("utf-8", "replace").decode("utf-8")
+        return {"role": "tool", "name": self.call.name, "content": content}
 
 
 async def run_tool_calls(
@@ -191,10 +196,13 @@ async def _run_one(call: ToolCall, tools: dict[str, Tool], timeout_s: float) -> 
     tool = tools.get(call.name)
     if tool is None:
         return failed(f"unknown tool {call.name!r}; available: {', '.join(sorted(tools))}")
+    deadline = asyncio.timeout(timeout_s)
     try:
-        async with asyncio.timeout(timeout_s):
+        async with deadline:
             return ToolResult(call, await tool.call(call.arguments), ok=True)
-    except TimeoutError:
+    except TimeoutError as e:
+        if not deadline.expired():  # the tool's own timeout (a socket's, say), not ours
+            return failed(f"TimeoutError: {e}")
         # A sync tool's thread cannot be stopped; it finishes in the background, unread.
         return failed(f"tool {call.name!r} timed out after {timeout_s:g} s")
     except _ToolStuck as e:
@@ -208,9 +216,11 @@ async def _run_one(call: ToolCall, tools: dict[str, Tool], timeout_s: float) -> 
         if _being_cancelled():
             raise
         return failed(f"tool {call.name!r} raised CancelledError")
+    except KeyboardInterrupt:
+        raise
     # The tool's own failure is the model's observation, not a crash; that includes model-written
-    # code calling exit(). KeyboardInterrupt still ends the run.
-    except (Exception, SystemExit) as e:
+    # code calling exit() or raising BaseException itself. KeyboardInterrupt still ends the run.
+    except BaseException as e:
         return failed(f"{type(e).__name__}: {e}")
 
 
@@ -299,12 +309,13 @@ class _ToolEnvironment:
             self.last_info = {"tool_calls": 0, "correct": correct}
             return [], reward, True
         limit = self.workflow.max_calls_per_turn
-        if len(calls) > limit:
+        written = len(calls)  # the calls past the limit are not run: each counts as failed
+        if written > limit:
             calls = [*calls[:limit], ToolCall(name="", error=f"at most {limit} calls per turn")]
         results = await run_tool_calls(calls, self.tools, self.workflow.tool_timeout_s)
-        errors = sum(not result.ok for result in results)
+        errors = sum(not result.ok for result in results[:limit]) + max(0, written - limit)
         scored = self.workflow.tool_reward(self.task, results)
         reward, solved = scored if isinstance(scored, tuple) else (scored, False)
-        self.last_info = {"tool_calls": len(calls), "tool_errors": errors, "correct": solved}
+        self.last_info = {"tool_calls": written, "tool_errors": errors, "correct": solved}
         done = solved or (errors > 0 and self.workflow.end_on_tool_error)
         return [result.message() for result in results], reward, done

@@ -90,8 +90,11 @@ class CountdownToolAgent(ToolWorkflow):
         )
 
     def tool_reward(self, task: Task, results: Sequence[ToolResult]) -> tuple[float, bool]:
-        """A check scores its expression as an answer; one that hits the target solves the task."""
-        scores = [self.reward(task, r.call.arguments["expr"]) for r in results if r.ok]
+        """A check scores its expression as an answer; one that hits the target solves the task.
+        A turn with a failed call scores 0, unsolved: the episode ends there with 0."""
+        if not all(r.ok for r in results):
+            return 0.0, False
+        scores = [self.reward(task, r.call.arguments["expr"]) for r in results]
         return max(scores, default=(0.0, False))
 
     def trajectory_reward(self, steps: Sequence[Step]) -> float:

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import random
+import threading
 from typing import Any
 
 from tests.bandit import BanditBackend, BanditWorkflow
@@ -119,6 +120,17 @@ class StuckOptimStep(BanditBackend):
 
     async def optim_step(self) -> dict[str, float]:
         await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+class StuckInThread(BanditBackend):
+    """`optim_step` blocks in a worker thread that never returns (a wedged device call), as the
+    local backend runs its updates in `asyncio.to_thread`."""
+
+    release = threading.Event()
+
+    async def optim_step(self) -> dict[str, float]:
+        await asyncio.to_thread(self.release.wait, 600)
         raise AssertionError("unreachable")
 
 

@@ -6,9 +6,11 @@ either completes or fails fast with a message that names the call and the pipeli
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import torch
 
 from tests.bandit import BanditBackend, bandit_tasks
 from tests.conftest import ConfigFactory
-from tests.faulty import NanGradient, NanThenFine, StuckOptimStep
+from tests.faulty import NanGradient, NanThenFine, StuckInThread, StuckOptimStep
 from tests.test_local_backend import PROMPTS, group_of, sample, started
 from unified import UnifiedTrainer
 from unified.checkpoint import RunDirectory
@@ -141,6 +143,84 @@ def test_a_backend_call_that_never_returns_ends_the_run_naming_who_waited_on_who
     for part in ("'bandit' optim_step", "0.5 s", "version=0", "generating=", "ready=", "step=0"):
         assert part in message, f"{part!r} missing from: {message}"
     assert "trainer.backend_timeout" in message, "the message names the knob to change"
+
+
+def test_fit_returns_at_the_deadline_while_a_blocking_call_stays_stuck_in_its_thread(
+    make_config: ConfigFactory,
+) -> None:
+    """`asyncio.run` would wait for the abandoned thread when it closes the loop, and the
+    interpreter's exit too: `fit` runs blocking calls on daemon threads it does not wait for."""
+    started_at = time.monotonic()
+    try:
+        with pytest.raises(StallError, match="optim_step"):
+            fit(make_config(trainer={"backend_timeout": 0.5}), StuckInThread())
+        assert time.monotonic() - started_at < 10, "fit returned, it did not wait for the thread"
+        stuck = [t for t in threading.enumerate() if t.name.startswith("unified-blocking")]
+        assert stuck and all(t.daemon for t in stuck), "the exit will not wait for it either"
+    finally:
+        StuckInThread.release.set()
+
+
+def test_a_metrics_sink_stuck_for_good_ends_the_run_at_the_stall_timeout(
+    make_config: ConfigFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint waits for the metrics of its steps: a write that never returns (a wedged
+    W&B client or network filesystem) is a stall, not a hang."""
+    from unified.metrics import MetricsAggregator
+
+    release = threading.Event()
+    log = MetricsAggregator.log
+
+    def stuck_at_step_2(self: MetricsAggregator, step: int, metrics: dict[str, float]) -> None:
+        if step == 2:
+            release.wait(600)
+        log(self, step, metrics)
+
+    monkeypatch.setattr(MetricsAggregator, "log", stuck_at_step_2)
+    trainer = {"save_every": 2, "stall_timeout": 1.5, "workflow_timeout": 1, "total_steps": 3}
+    started_at = time.monotonic()
+    try:
+        with pytest.raises(StallError, match=r"writing the metrics of step 2 took over 1\.5 s"):
+            fit(make_config(trainer=trainer))
+        assert time.monotonic() - started_at < 15
+    finally:
+        release.set()
+
+
+async def test_a_second_cancel_during_the_backends_shutdown_still_closes_the_metrics(
+    make_config: ConfigFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from unified.metrics import MetricsAggregator
+
+    closed: list[bool] = []
+    close = MetricsAggregator.close
+
+    def recording_close(self: MetricsAggregator) -> None:
+        closed.append(True)
+        close(self)
+
+    monkeypatch.setattr(MetricsAggregator, "close", recording_close)
+    trained, shutting_down = asyncio.Event(), asyncio.Event()
+
+    class SlowShutdown(BanditBackend):
+        async def optim_step(self) -> dict[str, float]:
+            trained.set()
+            return await super().optim_step()
+
+        async def shutdown(self) -> None:
+            shutting_down.set()
+            await asyncio.Event().wait()
+
+    config = make_config(trainer={"total_steps": 10_000})
+    trainer = UnifiedTrainer(config, backend=SlowShutdown(), train_tasks=bandit_tasks(32))
+    run = asyncio.create_task(trainer.fit_async())
+    await asyncio.wait_for(trained.wait(), 30)
+    run.cancel()
+    await asyncio.wait_for(shutting_down.wait(), 30)
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(run, 30)
+    assert closed == [True], "the sinks were closed although the shutdown was cut short"
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -230,6 +230,31 @@ async def test_checkpoint_round_trip_reproduces_the_next_step(tmp_path: Path) ->
     await second.shutdown()
 
 
+async def test_a_load_drops_the_gradients_of_a_step_abandoned_before_it(tmp_path: Path) -> None:
+    """A stop can abandon a step between its `forward_backward` and `optim_step`; a checkpoint
+    holds no gradients, so a resume on the same backend object must not add them twice."""
+    backend = await started()
+    outputs = [await sample(backend, p, i) for i, p in enumerate(PROMPTS)]
+    group = group_of(outputs, [1.0, -0.5, 0.5, -1.0])
+    await backend.save_checkpoint(tmp_path / "ckpt")
+    other = group_of(outputs, [-1.0, 1.0, -0.5, 0.5])
+    await backend.forward_backward([other])  # the abandoned step
+    await backend.load_checkpoint(tmp_path / "ckpt")
+    await backend.forward_backward([group])
+    resumed = await backend.optim_step()
+
+    fresh = await started()
+    await fresh.load_checkpoint(tmp_path / "ckpt")
+    await fresh.forward_backward([group])
+    assert resumed["train/grad_norm"] == (await fresh.optim_step())["train/grad_norm"]
+    for (name, a), b in zip(
+        backend.model.state_dict().items(), fresh.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), f"{name}: the abandoned step's gradients were applied"
+    await backend.shutdown()
+    await fresh.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_few_optimizer_steps_on_countdown(make_config: ConfigFactory, mode: str) -> None:
     config = make_config(

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import math
 import numbers
 import queue
 import threading
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
 from unified.config import TrainerSection
@@ -26,7 +27,14 @@ from unified.errors import BackendReplyError, StallError
 from unified.protocol import BackendProtocol
 from unified.retry import NO_RETRY, retrying
 
-__all__ = ["BackendCalls", "CallName", "DaemonWorker", "finite", "in_daemon_thread"]
+__all__ = [
+    "BackendCalls",
+    "CallName",
+    "DaemonExecutor",
+    "DaemonWorker",
+    "finite",
+    "in_daemon_thread",
+]
 
 T = TypeVar("T")
 CallName = Literal[
@@ -140,26 +148,89 @@ class DaemonWorker:
     """
 
     def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]]
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]
         self._calls = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the thread after the calls before it; await its result."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Queue `fn` after the calls before it; its future."""
         future: Future[T] = Future()
         self._calls.put((fn, future))
-        return await asyncio.wrap_future(future)
+        return future
+
+    def close(self) -> None:
+        """End the thread once the queued calls ran; returns at once (a stuck call keeps it)."""
+        self._calls.put(None)
 
     def _serve(self) -> None:
-        while True:
-            fn, future = self._calls.get()
+        while (item := self._calls.get()) is not None:
+            fn, future = item
             if not future.set_running_or_notify_cancel():
                 continue  # its caller gave up before it started
             try:
                 future.set_result(fn())
             except BaseException as e:
                 future.set_exception(e)
+
+
+class DaemonExecutor(ThreadPoolExecutor):
+    """The event loop's default executor in `UnifiedTrainer.fit`: `asyncio.to_thread` on daemon
+    threads, reused while idle.
+
+    A backend's blocking call past `trainer.backend_timeout` is abandoned by the trainer; with
+    the stock pool, `asyncio.run` (closing the loop) and the interpreter's exit would then wait
+    for that thread forever. Here neither waits: `shutdown` returns at once.
+    """
+
+    def __init__(self, name: str = "unified-blocking") -> None:
+        super().__init__(thread_name_prefix=name)  # none of its own threads are ever started
+        self._name = name
+        self._work: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
+        self._work = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._started = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._work.put((future, functools.partial(fn, *args, **kwargs)))
+            if self._idle:  # an idle thread takes it
+                self._idle -= 1
+                return future
+            self._started += 1
+            name = f"{self._name}_{self._started}"
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+        return future
+
+    def _serve(self) -> None:
+        while (item := self._work.get()) is not None:
+            future, call = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except BaseException as e:
+                    future.set_exception(e)
+            del item, future, call  # hold no result while idle
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """End every thread once it is idle, and return at once: a call still running was
+        abandoned past its deadline."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                for _ in range(self._started):
+                    self._work.put(None)
 
 
 def _is_number(value: object) -> bool:

@@ -25,17 +25,16 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
-from unified.backend_calls import BackendCalls, finite
+from unified.backend_calls import BackendCalls, DaemonWorker, finite
 from unified.checkpoint import RunDirectory, TrainerState
 from unified.config import TrainerConfig
 from unified.coordinator import SyncCoordinator
 from unified.data import TaskSampler
-from unified.errors import TrainingStopped
+from unified.errors import StallError, TrainingStopped
 from unified.evaluation import episode_tool_calls, evaluate
 from unified.groups import EndedGroup, GroupTicket, TrajectoryGroupBuffer
 from unified.metrics import MetricsAggregator
@@ -134,7 +133,8 @@ class TrainingLoop:
         self._ready_wait: asyncio.Timeout | None = None
         # Metrics reach their sinks on a thread of their own, in step order, off the training
         # path; `_drain_logs` waits for them before a checkpoint and in `close`.
-        self._log_thread = ThreadPoolExecutor(1, thread_name_prefix="unified-metrics")
+        # A daemon thread: a sink stuck for good (past `stall_timeout`) holds up no exit.
+        self._log_thread = DaemonWorker("unified-metrics")
         self._log_writes: deque[asyncio.Future[None]] = deque()
 
     # -- start and run ----------------------------------------------------------------------------
@@ -476,15 +476,15 @@ class TrainingLoop:
         self.last_metrics = metrics
         while self._log_writes and self._log_writes[0].done():
             self._log_writes.popleft().result()
-        write = asyncio.get_running_loop().run_in_executor(
-            self._log_thread, self.metrics.log, self.step, metrics
-        )
-        self._log_writes.append(write)
+        write = self._log_thread.submit(functools.partial(self.metrics.log, self.step, metrics))
+        self._log_writes.append(asyncio.wrap_future(write))
 
     async def _drain_logs(self) -> None:
-        """Wait until every metrics line handed to the sinks is written."""
+        """Wait until every metrics line handed to the sinks is written (within `stall_timeout`)."""
         writes, self._log_writes = self._log_writes, deque()
-        for outcome in await asyncio.gather(*writes, return_exceptions=True):
+        async with self._sink_deadline("writing the metrics of step " + str(self.step)):
+            outcomes = await asyncio.gather(*writes, return_exceptions=True)
+        for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
 
@@ -493,8 +493,26 @@ class TrainingLoop:
         try:
             await self._drain_logs()
         finally:
-            self._log_thread.shutdown(wait=True)
-            await asyncio.to_thread(self.metrics.close)
+            self._log_thread.close()
+            async with self._sink_deadline("closing the metrics sinks"):
+                await asyncio.to_thread(self.metrics.close)
+
+    @asynccontextmanager
+    async def _sink_deadline(self, what: str) -> AsyncIterator[None]:
+        """`trainer.stall_timeout` for a wait on the metrics sinks (a W&B or network-filesystem
+        write that never returns must end the run, not hang it)."""
+        timeout_s = self.config.trainer.stall_timeout
+        deadline = asyncio.timeout(timeout_s)
+        try:
+            async with deadline:
+                yield
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise StallError(
+                f"{what} took over {timeout_s:g} s: a metrics sink (W&B, TensorBoard, or the "
+                "disk of the run directory) is stuck; check it, or raise trainer.stall_timeout"
+            ) from None
 
     async def _save(self) -> None:
         await self._drain_logs()  # the metrics of every step the checkpoint holds are written

@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from unified.backend_calls import BackendCalls
+from unified.backend_calls import BackendCalls, DaemonExecutor
 from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig, load_config
 from unified.data import check_fields, load_eval_tasks, load_tasks
@@ -85,6 +85,8 @@ class UnifiedTrainer:
         """
 
         async def fit_stopping_on_signals() -> TrainResult:
+            # A blocking backend call abandoned past its deadline must not hold up the return.
+            asyncio.get_running_loop().set_default_executor(DaemonExecutor())
             with _signals_call(self._on_signal):
                 return await self.fit_async()
 
@@ -160,11 +162,12 @@ class UnifiedTrainer:
             await calls.call("shutdown", self.backend.shutdown)
         except Exception as e:
             error = _also(error, e, "the backend's shutdown")
-        if loop is not None:  # whatever the shutdown did: the metrics written, the sinks closed
-            try:
-                await loop.close()
-            except Exception as e:
-                error = _also(error, e, "closing the metrics")
+        finally:  # whatever the shutdown did, a cancel included: metrics written, sinks closed
+            if loop is not None:
+                try:
+                    await loop.close()
+                except Exception as e:
+                    error = _also(error, e, "closing the metrics")
         if error is not None:
             if self.run.created and (loop is None or loop.step == 0):
                 # Bad input, a stop or a failure before the first step: a run that trained

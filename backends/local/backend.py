@@ -284,6 +284,7 @@ class LocalBackend(BackendProtocol):
             eps=s.eps,
             weight_decay=s.weight_decay,
         )
+        self._drop_gradients()  # a new model; drop the count of a step an earlier run abandoned
         self.temperature = config.sampling.train.temperature or 1.0
 
     def rollout_engine(self) -> RolloutEngine:
@@ -533,6 +534,12 @@ class LocalBackend(BackendProtocol):
             _, index, name = key.split(".", 2)
             state.setdefault(int(index), {})[name] = value
         self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        self._drop_gradients()  # a step abandoned before this load added some: none are saved
+
+    def _drop_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._grad_norm_denominator = 0.0
+        self._loss_finite = True
 
     async def export_model(self, directory: Path) -> None:
         """Write the trained policy as a Hugging Face model directory (atomically)."""

@@ -6,6 +6,7 @@ import asyncio
 import copy
 import math
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +254,37 @@ async def test_a_load_drops_the_gradients_of_a_step_abandoned_before_it(tmp_path
         assert torch.equal(a, b), f"{name}: the abandoned step's gradients were applied"
     await backend.shutdown()
     await fresh.shutdown()
+
+
+async def test_any_int_seed_samples_and_fails_no_other_request_of_its_batch() -> None:
+    backend = await started()
+    engine = backend.rollout_engine()
+    seeds = [0, 1, 2**64, 2**70 + 3, -5]
+    outputs = await asyncio.gather(
+        *(engine.complete([5, 6, 7], max_tokens=4, seed=seed, temperature=1.0) for seed in seeds)
+    )
+    again = await engine.complete([5, 6, 7], max_tokens=4, seed=2**70 + 3, temperature=1.0)
+    assert all(o.completion_ids for o in outputs) and again == outputs[3], "seeded: reproducible"
+    await backend.shutdown()
+
+
+async def test_a_shutdown_cut_short_leaves_the_training_lock_free() -> None:
+    """A shutdown cancelled while a training call runs must not take the lock for good: a next
+    setup of the same backend would block on it."""
+    backend = await started()
+    backend._forward_backward = lambda groups: (time.sleep(1.0), {})[1]  # type: ignore[method-assign]
+    training = asyncio.create_task(backend.forward_backward([]))
+    await asyncio.sleep(0.1)
+    training.cancel()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.3):
+            await backend.shutdown()
+    await asyncio.sleep(1.5)  # the training pass has finished by now
+    assert not backend._training.locked()
+    await backend.setup(local_config())
+    async with asyncio.timeout(10):
+        await backend.optim_step()
+    await backend.shutdown()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

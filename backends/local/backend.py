@@ -548,12 +548,20 @@ class LocalBackend(BackendProtocol):
     async def shutdown(self) -> None:
         if hasattr(self, "sampler"):
             await self.sampler.wait_idle()
-        # Wait (bounded) for a training call whose caller was cancelled to finish.
-        if await asyncio.to_thread(self._training.acquire, True, 600.0):
-            self._training.release()
-        if self._reference_pool is not None:
-            await asyncio.to_thread(self._reference_pool.shutdown, wait=True)
-            self._reference_pool = None
+        try:  # wait (bounded) for a training call whose caller was cancelled to finish
+            await asyncio.to_thread(self._training_finished, 600.0)
+        finally:  # its reference thread is idle once training is; cancelled, it ends when idle
+            pool, self._reference_pool = self._reference_pool, None
+            if pool is not None:
+                pool.shutdown(wait=False)
+
+    def _training_finished(self, timeout_s: float) -> bool:
+        """Whether no training call runs (waited for up to `timeout_s`); the lock is not kept,
+        even when the caller stopped waiting."""
+        if not self._training.acquire(timeout=timeout_s):
+            return False
+        self._training.release()
+        return True
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -46,7 +46,7 @@ from unified.types import FinishReason, ModelOutput, SamplingParams
 __all__ = ["BatchingSampler", "Request", "check_request", "generate_batch"]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the queue's membership tests must not compare prompts
 class Request:
     """One sampling request and, once the batch ran, its result.
 
@@ -205,8 +205,8 @@ def _uniforms(seed: int | None, n: int) -> torch.Tensor:
     generator = torch.Generator()
     if seed is None:
         generator.seed()
-    else:
-        generator.manual_seed(seed)
+    else:  # any int: torch takes 64 bits, and one request's seed must not fail its batch
+        generator.manual_seed(seed % 2**64)
     return torch.rand(n, generator=generator, dtype=torch.float64)
 
 

@@ -710,6 +710,37 @@ async def test_the_reference_is_overlapped_only_where_the_threads_are_split() ->
         assert backend._reference_pool is None
 
 
+@pytest.mark.parametrize(("estimator", "vocabulary_kept"), [("k3", False), ("full", True)])
+async def test_the_reference_scores_one_chunk_ahead_keeping_only_what_the_kl_reads(
+    monkeypatch: pytest.MonkeyPatch, estimator: str, vocabulary_kept: bool
+) -> None:
+    """A chunk's scores over the vocabulary are [tokens, vocab]: with a real vocabulary, holding
+    every chunk's at once ran a pass out of memory."""
+    local = {"threads": 2, "micro_batch": 1, "kl_estimator": estimator}
+    backend = await started(async_config(local=local, trainer={"kl_coef": 0.05}))
+    outs = [await sample(backend, p, i) for i, p in enumerate(PROMPTS)]
+    submitted: list[int] = []
+    seen: list[tuple[int, bool]] = []
+    submit, backward = backend._reference_score, backend._backward_chunk
+
+    def counting(chunks: Any, index: int) -> Any:
+        future = submit(chunks, index)
+        submitted.extend([index] if future is not None else [])
+        return future
+
+    def recording(chunk: Any, reference: Any, *args: Any) -> None:
+        seen.append((len(submitted), reference.result().log_probs_TV.numel() > 0))
+        backward(chunk, reference, *args)
+
+    monkeypatch.setattr(backend, "_reference_score", counting)
+    monkeypatch.setattr(backend, "_backward_chunk", recording)
+    metrics = await backend.forward_backward([group_of(outs, [1.0, -0.5, 0.5, -1.0])])
+    assert [n for n, _ in seen] == [2, 3, 4, 4], "chunk i's pass starts with i + 2 submitted"
+    assert {kept for _, kept in seen} == {vocabulary_kept}
+    assert math.isfinite(metrics["train/kl_reference"])
+    await backend.shutdown()
+
+
 async def test_a_failing_pass_leaves_no_reference_work_behind(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -342,15 +342,20 @@ class LocalBackend(BackendProtocol):
         }
         size = self.settings.micro_batch
         chunks = [rows[start : start + size] for start in range(0, len(rows), size)]
-        references = self._reference_scores(chunks)
+        # The reference scores chunk i + 1 while the policy's pass runs on chunk i: one ahead,
+        # so at most two chunks' reference scores are held at once.
+        current: Future[_Scores] | None = None
+        ahead = self._reference_score(chunks, 0)
         try:
             offset = 0
-            for chunk, reference in zip(chunks, references, strict=True):
+            for index, chunk in enumerate(chunks):
+                current, ahead = ahead, self._reference_score(chunks, index + 1)
                 n = sum(row.tokens for row in chunk)
-                self._backward_chunk(chunk, reference, weights_T[offset : offset + n], totals)
+                self._backward_chunk(chunk, current, weights_T[offset : offset + n], totals)
                 offset += n
+                current = None
         finally:
-            for future in references:  # none may outlive this pass (an error stops it early)
+            for future in (current, ahead):  # none may outlive this pass (an error stops it)
                 if future is not None and not future.cancel():
                     future.exception()
         self._grad_norm_denominator += step_norm
@@ -374,19 +379,22 @@ class LocalBackend(BackendProtocol):
         temperature = self._scoring_temperature(out.temperature)
         return _Sample(out.prompt_ids, out.completion_ids, out.logprobs, advantage, temperature)
 
-    def _reference_scores(self, chunks: list[list[_Row]]) -> list[Future[_Scores] | None]:
-        """The reference model's scores of each chunk: started now in the reference thread when
-        it overlaps the policy's pass, else None (scored inline, after the policy)."""
+    def _reference_score(self, chunks: list[list[_Row]], index: int) -> Future[_Scores] | None:
+        """The reference model's scores of `chunks[index]`, started now in the reference thread
+        when it overlaps the policy's pass; None past the last chunk or when scored inline."""
         pool = self._reference_pool
-        if pool is None or self.reference is None:
-            return [None] * len(chunks)
-        return [pool.submit(self._score_reference, chunk) for chunk in chunks]
+        if pool is None or self.reference is None or index >= len(chunks):
+            return None
+        return pool.submit(self._score_reference, chunks[index])
 
     def _score_reference(self, chunk: list[_Row]) -> _Scores:
         assert self.reference is not None
         torch.set_num_threads(self._threads.sampler)  # OpenMP counts per OS thread
         with torch.no_grad():  # thread-local: set here, not by the caller
-            return self._score(self.reference, chunk, with_entropy=False)
+            scores = self._score(self.reference, chunk, with_entropy=False)
+        if self.settings.kl_estimator != "full":  # k3 reads only the sampled tokens'
+            scores = scores._replace(log_probs_TV=scores.log_probs_TV.new_empty(0))
+        return scores
 
     def _backward_chunk(
         self,

@@ -28,7 +28,7 @@ from unified.protocol import (
     create_backend,
     resolve_tis_cap,
 )
-from unified.types import Episode, ModelOutput, Step, Trajectory, TrajectoryGroup
+from unified.types import Episode, ModelOutput, SamplingParams, Step, Trajectory, TrajectoryGroup
 
 PROMPTS = ["3 5 7 -> 22", "12 4 -> 3", "1 2 3 -> 6", "9 9 -> 81"]
 
@@ -254,6 +254,40 @@ async def test_a_load_drops_the_gradients_of_a_step_abandoned_before_it(tmp_path
         assert torch.equal(a, b), f"{name}: the abandoned step's gradients were applied"
     await backend.shutdown()
     await fresh.shutdown()
+
+
+async def test_a_batch_stops_decoding_the_requests_whose_callers_gave_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A workflow past its timeout, or a run stopping, cancels its requests: their batch must not
+    decode them to max_tokens, holding the sampler (sync mode runs one batch at a time)."""
+    from backends.local import sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "_end_tokens", lambda model, tokenizer: set())
+    batches: list[list[ModelOutput]] = []
+    generate_batch = sampler_module.generate_batch
+
+    def recording(*args: Any, **kwargs: Any) -> list[ModelOutput]:
+        batches.append(generate_batch(*args, **kwargs))
+        return batches[-1]
+
+    monkeypatch.setattr(sampler_module, "generate_batch", recording)
+    backend = await started(local_config().model_copy(update={"local": {"threads": 1}}))
+    prompt = [5, 6, 7]
+    long = SamplingParams(temperature=1.0, max_tokens=240, seed=1)
+    callers = [asyncio.create_task(backend.sampler.generate(prompt, long)) for _ in range(32)]
+    await asyncio.sleep(0.2)  # the batch is decoding
+    for caller in callers:
+        caller.cancel()
+    await asyncio.gather(*callers, return_exceptions=True)
+    async with asyncio.timeout(30):
+        await backend.sampler.wait_idle()
+    (abandoned,) = batches
+    assert {o.finish_reason for o in abandoned} == {"aborted"}
+    assert max(len(o.completion_ids) for o in abandoned) < 240, "decoded to max_tokens"
+    short = await backend.sampler.generate(prompt, SamplingParams(max_tokens=2, seed=2))
+    assert len(short.completion_ids) == 2
+    await backend.shutdown()
 
 
 async def test_any_int_seed_samples_and_fails_no_other_request_of_its_batch() -> None:

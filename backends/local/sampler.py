@@ -58,6 +58,8 @@ class Request:
     params: SamplingParams
     future: asyncio.Future[ModelOutput] | None = field(default=None, repr=False)
     prefix: ModelOutput | None = field(default=None, repr=False)
+    abandoned: bool = False
+    """Set by the event loop when the caller gave up: its batch stops decoding it."""
 
 
 def check_request(
@@ -163,6 +165,9 @@ def generate_batch(
                 sequence = requests[b].prompt_ids + tokens[b][:-1]
                 prompt = len(requests[b].prompt_ids)
                 prefix_cache.put(sequence, kv, generation, also=prompt)
+        for b in rows:
+            if finish[b] is None and requests[b].abandoned:
+                finish[b] = "aborted"  # no one reads it: no more compute spent on it
         keep = [i for i, b in enumerate(rows) if finish[b] is None]
         if not keep:
             break
@@ -375,6 +380,7 @@ class BatchingSampler:
             return request.future.result()
         finally:
             if not request.future.done():
+                request.abandoned = True
                 request.future.cancel()
                 if request in self._queue:
                     self._queue.remove(request)

@@ -90,6 +90,7 @@ def test_dry_run_prints_the_resolved_config_and_the_checks(
         ("local_sync", "model=builtin:huge", "unknown built-in model 'builtin:huge'"),
         ("tinker_sync", "tinker.lora_rank=0", "config key 'tinker.lora_rank'"),
         ("tinker_sync", "sampling.train.temperature=0.7", "sampling.train.temperature=0.7"),
+        ("tinker_async", "trainer.micro_batch_size=1", "tinker.loss_agg token_mean averages"),
     ],
 )
 def test_dry_run_checks_the_backend_section_and_the_model(

@@ -129,6 +129,25 @@ def test_a_client_restored_from_saved_state_continues_identically(
     )
 
 
+def test_a_finished_session_frees_its_models_and_one_runs_syncs_keep_anothers_sampler(
+    server: LocalServer,
+) -> None:
+    """The real service keeps a session's samplers until it ends; the local server, shared by
+    runs (`unified tinker-serve`), must neither expire one run's sampler for another's syncs
+    nor keep every finished run's models."""
+    first = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    second = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    current = training_client(first).save_weights_and_get_sampling_client().result(DEADLINE_S)
+    other = training_client(second)
+    for _ in range(server.service.keep_samplers + 1):
+        other.save_weights_and_get_sampling_client().result(DEADLINE_S)
+    assert len(sample(current, n=1).sequences[0].tokens) == 8, "the first run still samples"
+    first.close("success").result(timeout=DEADLINE_S)
+    second.close("success").result(timeout=DEADLINE_S)
+    assert server.service.models == {}
+    assert server.service.pool.max_positions is not None and not server.service.pool._owner
+
+
 def test_an_unknown_loss_input_is_a_clear_request_error(service: tinker.ServiceClient) -> None:
     tc = training_client(service)
     datum = tinker.Datum(

@@ -146,7 +146,19 @@ class TinkerBackend(BackendProtocol):
         self._publish(await self._new_sampling_client(), version=0)
 
     def check_config(self, config: TrainerConfig) -> None:
-        TinkerConfig.from_section(config.tinker)
+        settings = TinkerConfig.from_section(config.tinker)
+        micro = config.trainer.micro_batch_size
+        if (
+            settings.loss_agg == "token_mean"
+            and micro is not None
+            and micro < config.trainer.batch_size
+        ):
+            raise ConfigError(
+                f"tinker.loss_agg token_mean averages each forward_backward call on its own: with "
+                f"trainer.micro_batch_size {micro} < batch_size {config.trainer.batch_size} a "
+                "step would sum the means of its micro-batches (short ones weigh more per token); "
+                "set tinker.loss_agg: token_sum, or leave trainer.micro_batch_size unset"
+            )
         temperature = config.sampling.train.temperature
         if config.trainer.loss != "cross_entropy" and temperature != 1.0:
             raise ConfigError(

@@ -47,7 +47,9 @@ class TinkerConfig(BaseModel):
     loss_agg: Literal["token_mean", "token_sum"] = Field(
         "token_mean",
         description="token_mean divides each forward_backward call's token-sum loss by its "
-        "completion tokens (the local backend's default); token_sum is Tinker's raw sum.",
+        "completion tokens: the step's token mean (the local backend's default) when a step is "
+        "one call, so it refuses trainer.micro_batch_size < batch_size; token_sum is Tinker's "
+        "raw sum.",
     )
     request_timeout_s: float = Field(
         300.0, gt=0, description="Deadline of one remote call (submission to result)."

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,6 +91,8 @@ class SamplerPool:
         self._samplers: OrderedDict[str, BatchingSampler] = OrderedDict()
         self._snapshot_of: dict[str, str] = {}
         self._scorers: dict[str, _PromptScorer] = {}
+        self._owner: dict[str, str | None] = {}  # snapshot -> the training model that made it
+        self._lock = threading.Lock()  # snapshots are added from worker threads
 
     @property
     def max_positions(self) -> int | None:
@@ -103,16 +107,33 @@ class SamplerPool:
             )
         self._snapshot_of[session_id] = BASE
 
-    def add_snapshot(self, session_id: str, weights: dict[str, torch.Tensor]) -> None:
-        """Make `session_id` sample from `weights` (blocking: copies the model)."""
+    def add_snapshot(
+        self, session_id: str, weights: dict[str, torch.Tensor], owner: str | None = None
+    ) -> None:
+        """Make `session_id` sample from `weights` (blocking: copies the model).
+
+        The newest `keep` snapshots of each `owner` (a training model; None: loaded from a path)
+        are kept: one run's syncs never expire another run's samplers.
+        """
         sampler = BatchingSampler(self.template, self.tokenizer, max_batch=self.max_batch)
         sampler.load_weights(weights, 0)
-        self._samplers[session_id] = sampler
-        self._snapshot_of[session_id] = session_id
-        snapshots = [key for key in self._samplers if key != BASE]
-        for old in snapshots[: max(0, len(snapshots) - self.keep)]:
+        with self._lock:
+            self._samplers[session_id] = sampler
+            self._snapshot_of[session_id] = session_id
+            self._owner[session_id] = owner
+            mine = [key for key in self._samplers if key != BASE and self._owner[key] == owner]
+            self._drop(mine[: max(0, len(mine) - self.keep)])
+
+    def drop_owned(self, owners: Callable[[str], bool]) -> None:
+        """Free the snapshots of the training models `owners` accepts (their session ended)."""
+        with self._lock:
+            self._drop([key for key, owner in self._owner.items() if owner and owners(owner)])
+
+    def _drop(self, snapshots: list[str]) -> None:
+        for old in snapshots:
             del self._samplers[old]
             self._scorers.pop(old, None)
+            self._owner.pop(old, None)
 
     def _sampler(self, session_id: str) -> BatchingSampler:
         snapshot = self._snapshot_of.get(session_id)
@@ -122,7 +143,8 @@ class SamplerPool:
         if sampler is None:
             raise UserError(
                 f"sampling session {session_id!r} expired: the local server keeps the newest "
-                f"{self.keep} weight snapshots (tinker-serve --keep-samplers)"
+                f"{self.keep} weight snapshots of each training model, while its session lasts "
+                "(tinker-serve --keep-samplers)"
             )
         return sampler
 

@@ -127,7 +127,7 @@ def create_app(
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish(session_id: str) -> Response:
-        service.sessions.discard(session_id)
+        service.finish_session(session_id)
         return Response(status_code=200)
 
     @app.post("/api/v1/create_model")
@@ -368,7 +368,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-batch", type=_at_least_one, default=64, help="most requests per batch"
     )
     parser.add_argument(
-        "--keep-samplers", type=_at_least_one, default=8, help="weight snapshots kept"
+        "--keep-samplers",
+        type=_at_least_one,
+        default=8,
+        help="weight snapshots kept per training model",
     )
     parser.add_argument("--faults", default=None, help='JSON, e.g. {"http_500_rate": 0.1}')
     parser.add_argument(

@@ -98,6 +98,15 @@ class LocalTinker:
         self.sessions.add(session_id)
         return session_id
 
+    def finish_session(self, session_id: str) -> None:
+        """Free what a client session made: its training models and their weight snapshots
+        (the sampling sessions on them then answer as expired)."""
+        self.sessions.discard(session_id)
+        prefix = f"{session_id}:"
+        for model_id in [m for m in self.models if m.startswith(prefix)]:
+            del self.models[model_id]
+        self.pool.drop_owned(lambda owner: owner.startswith(prefix))
+
     def _model(self, model_id: str) -> _Model:
         found = self.models.get(model_id)
         if found is None:
@@ -201,7 +210,8 @@ class LocalTinker:
         async with model.lock:
             weights = await asyncio.to_thread(model.training.merged_weights)
         session_id = self._new_sampling_session_id()
-        await asyncio.to_thread(self.pool.add_snapshot, session_id, weights)
+        owner = request["model_id"]
+        await asyncio.to_thread(self.pool.add_snapshot, session_id, weights, owner)
         return json_outcome({"sampling_session_id": session_id})
 
     async def load_weights(self, request: dict[str, Any]) -> Outcome:

@@ -20,7 +20,7 @@ from backends.local.decoding import GROUP_OVERHEAD, prefill_groups
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.config import TrainerConfig, load_config
-from unified.errors import CapabilityError, ConfigError, UsageError
+from unified.errors import BackendError, CapabilityError, ConfigError, UsageError
 from unified.protocol import (
     DEFAULT_TIS_CAP,
     BackendCapabilities,
@@ -287,6 +287,22 @@ async def test_a_batch_stops_decoding_the_requests_whose_callers_gave_up(
     assert max(len(o.completion_ids) for o in abandoned) < 240, "decoded to max_tokens"
     short = await backend.sampler.generate(prompt, SamplingParams(max_tokens=2, seed=2))
     assert len(short.completion_ids) == 2
+    await backend.shutdown()
+
+
+async def test_a_weight_load_waits_for_batches_on_its_copy_within_a_deadline() -> None:
+    backend = await started()
+    sampler = backend.sampler
+    state = backend.model.state_dict()
+    await asyncio.to_thread(sampler.load_weights, state, 1)  # the first load makes the standby
+    assert sampler._standby is not None
+    sampler._standby.batches += 1  # a batch stuck on the older copy
+    sampler.load_timeout_s = 0.2
+    with pytest.raises(BackendError, match="1 sampling batch\\(es\\) still running"):
+        await asyncio.to_thread(sampler.load_weights, state, 2)
+    sampler._standby.release()
+    await asyncio.to_thread(sampler.load_weights, state, 2)
+    assert sampler.version == 2
     await backend.shutdown()
 
 

@@ -40,7 +40,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from backends.local.decoding import make_stepper
 from backends.local.prefix_cache import PrefixCache
-from unified.errors import UsageError
+from unified.errors import BackendError, UsageError
 from unified.types import FinishReason, ModelOutput, SamplingParams
 
 __all__ = ["BatchingSampler", "Request", "check_request", "generate_batch"]
@@ -303,6 +303,7 @@ class BatchingSampler:
         threads: int | None = None,
         prefix_cache_mb: float = 0.0,
         parallel: int = 1,
+        load_timeout_s: float | None = None,
     ) -> None:
         sampling = copy.deepcopy(model).eval()
         for p in sampling.parameters():
@@ -316,6 +317,8 @@ class BatchingSampler:
         self.partial_rollout = partial_rollout
         self.threads = threads  # torch CPU threads of each batch; None: the worker thread's own
         self.parallel = parallel  # batches that may run at once
+        # How long a weight load may wait for the batches still running on the copy it fills.
+        self.load_timeout_s = load_timeout_s
         # Keys and values of finished requests, for the prompts that extend them (an agent's
         # next turn); shared by the running batches.
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb else None
@@ -348,7 +351,14 @@ class BatchingSampler:
             # No batch starts on the standby copy (only on the current one): wait for those
             # still running on it.
             with standby.unused:
-                standby.unused.wait_for(lambda: standby.batches == 0)
+                if not standby.unused.wait_for(
+                    lambda: standby.batches == 0, timeout=self.load_timeout_s
+                ):
+                    raise BackendError(
+                        f"a weight load waited {self.load_timeout_s:g} s for "
+                        f"{standby.batches} sampling batch(es) still running on older weights; a "
+                        "batch is stuck, or raise trainer.backend_timeout if batches run this long"
+                    )
             with torch.no_grad():
                 standby.model.load_state_dict(state_dict)
                 standby.version = version

@@ -81,6 +81,14 @@ ROWS: dict[str, tuple[Setup, str]] = {
     "unknown loss": (override("trainer.loss=nope"), "config key 'trainer.loss'"),
     "error rate > 1": (override("trainer.max_error_rate=2"), "trainer.max_error_rate"),
     "bad run name": (override("name=a/b"), "config key 'name'"),
+    "run name '..'": (override("name=.."), "not '.' or '..'"),
+    "config not UTF-8": (
+        lambda tmp: ["--config", str(write(tmp / "bad.yaml", b"name: caf\xe9\n"))],
+        "is not UTF-8 text",
+    ),
+    "config anchor in itself": (config_file("local: &a {x: *a}\n"), "alias inside its own"),
+    "relative import path": (override("workflow=.flows:Agent"), "cannot import module '.flows'"),
+    "NaN tis_cap": (override("trainer.tis_cap=.nan"), "must be >= 1"),
     "override not YAML": (override("trainer.batch_size=[1"), "value is not valid YAML"),
     "override into a value": (override("name.x=1"), "'name' is not a section"),
     "bad retry policy": (override("trainer.retry.save_checkpoint.attempts=0"), "attempts"),
@@ -113,7 +121,12 @@ ROWS: dict[str, tuple[Setup, str]] = {
     "not UTF-8": (train_file("t.jsonl", b'{"target": "\xff\xfe"}\n'), "not UTF-8"),
     "unsupported suffix": (train_file("t.csv", "target\n1\n"), "unsupported suffix '.csv'"),
     "json not a list": (train_file("t.json", '{"target": 1}'), "must hold a JSON list"),
-    "generator kwargs": (override("data.train.size=3"), "rejected kwargs"),
+    "integer past 4300 digits": (
+        train_file("t.jsonl", '{"target": ' + "9" * 5000 + "}\n"),
+        "line 1 of",
+    ),
+    "nested past the limit": (train_file("t.json", "[" * 100_000), "is not usable JSON"),
+    "generator kwargs": (override("data.train.size=3"), "rejected kwargs ['n', 'size', 'target']"),
     # rewards
     "NaN reward": (workflow("nan_reward"), "reward must be a finite number"),
     "None reward": (workflow("none_reward"), "reward must be a number, got NoneType"),

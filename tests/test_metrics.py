@@ -156,6 +156,18 @@ def test_close_closes_every_sink_once_even_when_one_raises() -> None:
     assert closes == [1, 1, 1], f"each sink must be closed exactly once, got {closes}"
 
 
+def test_opposite_infinities_and_overflowing_sums_aggregate_instead_of_raising() -> None:
+    """A loss of +inf in one micro-batch and -inf in the next must reach the trainer's bad-step
+    guard, not crash the metrics with fsum's ValueError."""
+    aggregator = MetricsAggregator([])
+    aggregator.record_all("train/loss", [math.inf, -math.inf])
+    aggregator.record_all("groups/tokens", [1e308, 1e308])
+    aggregator.record_all("reward/std", [math.inf, 1.0])
+    metrics = aggregator.flush()
+    assert math.isnan(metrics["train/loss"]) and metrics["groups/tokens"] == math.inf
+    assert math.isnan(metrics["reward/std"])
+
+
 def test_jsonl_sink_writes_one_object_per_step_with_null_for_nan(tmp_path: Path) -> None:
     path = tmp_path / "run" / "metrics.jsonl"
     sink = JsonlSink(path)

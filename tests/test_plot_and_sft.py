@@ -62,6 +62,11 @@ def test_sft_command_trains_and_writes_a_loadable_model(
     assert main(["sft", str(config)]) == 2, "a second run under the same name"
     assert "already holds a run" in capsys.readouterr().err
     assert len((tmp_path / "runs" / "sft" / "metrics.jsonl").read_text().splitlines()) == 3
+    kept = sorted((tmp_path / "runs" / "sft").iterdir())
+    other = ["name=sft2", "--output", str(tmp_path / "runs" / "sft")]
+    assert main(["sft", str(config), *other]) == 2, "--output over another run's folder"
+    assert "is not a model directory" in capsys.readouterr().err
+    assert sorted((tmp_path / "runs" / "sft").iterdir()) == kept, "nothing was replaced"
 
 
 def test_a_failed_sft_leaves_nothing_that_blocks_the_retry(

@@ -187,6 +187,13 @@ def _sft(config_path: str, overrides: Sequence[str], *, output: str | None) -> i
 
     config = load_config(config_path, overrides)
     target = Path(output) if output else config.run_path / "model"
+    exported = (target / "config.json").is_file()
+    if target.exists() and not exported and (not target.is_dir() or any(target.iterdir())):
+        # Exporting replaces the target whole: never another run's files, nor a folder.
+        raise UsageError(
+            f"--output {target} exists and is not a model directory; it would be replaced: "
+            "give a new path, or an earlier export (a directory holding config.json)"
+        )
     asyncio.run(run_sft(config, output=target))
     print(f"wrote the fine-tuned model to {target}")
     return 0

@@ -7,6 +7,7 @@ does; `UnifiedTrainer` accepts a `TrainerConfig`, a dict of the same shape, or a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -159,7 +160,7 @@ class TrainerSection(_Section):
     @field_validator("tis_cap")
     @classmethod
     def _cap_at_least_one(cls, cap: float | str | None) -> float | str | None:
-        if isinstance(cap, float) and cap < 1.0:
+        if isinstance(cap, float) and not cap >= 1.0:  # NaN too
             raise ValueError("must be >= 1 (a cap below 1 down-weights on-policy tokens)")
         return cap
 
@@ -262,6 +263,13 @@ class TrainerConfig(_Section):
     local: dict[str, Any] = Field(default_factory=dict, description="Local backend settings.")
     tinker: dict[str, Any] = Field(default_factory=dict, description="Tinker backend settings.")
     verl: dict[str, Any] = Field(default_factory=dict, description="verl backend settings.")
+
+    @field_validator("name")
+    @classmethod
+    def _a_directory_name(cls, name: str) -> str:
+        if set(name) == {"."}:
+            raise ValueError("must name a directory under logging.run_dir, not '.' or '..'")
+        return name
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerConfig:
@@ -369,7 +377,13 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from e
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
     if raw is None:
@@ -378,6 +392,13 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(
             f"config file {str(path)!r} must hold a mapping, got {type(raw).__name__}"
         )
+    try:
+        json.dumps(raw, default=str)
+    except ValueError as e:  # only a cycle: `local: &a {x: *a}`
+        raise ConfigError(
+            f"config file {str(path)!r} has a YAML alias inside its own anchor ({e}); write "
+            "the values out"
+        ) from e
     return raw
 
 

@@ -118,6 +118,8 @@ def _read_jsonl(path: Path, what: str) -> Iterator[tuple[int, Any]]:
             raise DataError(
                 f"{what}: line {line_no} of {path} is not valid JSON ({e.msg} at column {e.colno})"
             ) from e
+        except (ValueError, RecursionError) as e:  # a 4300-digit integer, nesting past the limit
+            raise DataError(f"{what}: line {line_no} of {path} is not usable JSON ({e})") from e
 
 
 def _read_json(path: Path, what: str) -> Iterator[tuple[int, Any]]:
@@ -127,6 +129,8 @@ def _read_json(path: Path, what: str) -> Iterator[tuple[int, Any]]:
         raise DataError(
             f"{what}: {path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
         ) from e
+    except (ValueError, RecursionError) as e:
+        raise DataError(f"{what}: {path} is not usable JSON ({e})") from e
     if not isinstance(rows, list):
         raise DataError(
             f"{what}: {path} must hold a JSON list of task objects, got {type(rows).__name__}"
@@ -136,7 +140,7 @@ def _read_json(path: Path, what: str) -> Iterator[tuple[int, Any]]:
 
 def _read_text(path: Path, what: str) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a byte-order mark is not data
     except UnicodeDecodeError as e:
         raise DataError(f"{what}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
     except OSError as e:
@@ -190,7 +194,10 @@ def _from_generator(spec: Mapping[str, Any], what: str) -> Iterator[tuple[str, T
     try:
         produced = fn(**kwargs)
     except TypeError as e:
-        raise DataError(f"{what}: generator {target!r} rejected kwargs {kwargs}: {e}") from e
+        # The names only: a value may be a secret (an API key passed through).
+        raise DataError(
+            f"{what}: generator {target!r} rejected kwargs {sorted(kwargs)}: {e}"
+        ) from e
     if not isinstance(produced, Iterable) or isinstance(produced, str | bytes | Mapping):
         raise DataError(
             f"{what}: generator {target!r} returned {type(produced).__name__}; "

@@ -19,7 +19,7 @@ def import_object(path: str, *, what: str) -> Any:
         raise UsageError(f"{what} {path!r} must be an import path like 'package.module:Name'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
+    except (ImportError, TypeError) as e:  # TypeError: a relative name ('.mod')
         raise UsageError(f"{what} {path!r}: cannot import module {module_name!r} ({e})") from e
     obj: Any = module
     for part in attr.split("."):

@@ -84,10 +84,18 @@ def _nan_if_any(reduce: Callable[[list[float]], float]) -> Callable[[list[float]
     return lambda values: math.nan if any(math.isnan(v) for v in values) else reduce(values)
 
 
-_SUM = _nan_if_any(math.fsum)
+def _fsum(values: list[float]) -> float:
+    """`math.fsum`, or the plain sum where fsum raises (+inf with -inf: nan; an overflow: inf)."""
+    try:
+        return math.fsum(values)
+    except (ValueError, OverflowError):
+        return sum(values)
+
+
+_SUM = _nan_if_any(_fsum)
 _MAX = _nan_if_any(max)
 _MIN = _nan_if_any(min)
-_MEAN = _nan_if_any(lambda values: math.fsum(values) / len(values))
+_MEAN = _nan_if_any(lambda values: _fsum(values) / len(values))
 
 
 def _last(values: list[float]) -> float:
@@ -96,8 +104,8 @@ def _last(values: list[float]) -> float:
 
 def _std(values: list[float]) -> float:
     """Population standard deviation of the values recorded under a `.../std` key."""
-    mean = math.fsum(values) / len(values)
-    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+    mean = _fsum(values) / len(values)
+    return math.sqrt(_fsum([(v - mean) ** 2 for v in values]) / len(values))
 
 
 def _reduction(key: str) -> Callable[[list[float]], float]:

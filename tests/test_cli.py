@@ -112,6 +112,24 @@ def test_train_writes_config_metrics_and_ledger(
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["total_steps"] == 4
 
 
+def test_a_resume_over_other_tasks_or_another_seed_is_refused_and_changes_nothing(
+    capsys: pytest.CaptureFixture[str], demo: list[str], tmp_path: Path
+) -> None:
+    """Another seed or dataset orders the tasks differently: the checkpoint's position in it
+    would train some tasks twice and skip others."""
+    assert run(capsys, "train", *demo, "trainer.total_steps=10")[0] == 0
+    run_dir = tmp_path / "runs" / "bandit-demo"
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    for change, expected in (
+        ("trainer.seed=1", "was trained with trainer.seed=0"),
+        ("data.train.n=40", "the train tasks or trainer.seed differ"),
+    ):
+        code, _, err = run(capsys, "train", *demo, "trainer.total_steps=20", "resume=true", change)
+        assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+    after = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    assert after.keys() == before.keys() and after["ledger.jsonl"] == before["ledger.jsonl"]
+
+
 def test_console_script_exits_2_on_a_bad_key(tmp_path: Path) -> None:
     script = Path(sys.executable).with_name("unified")
     proc = subprocess.run(

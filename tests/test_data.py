@@ -337,7 +337,25 @@ def test_sampler_state_dict_is_json_able() -> None:
 
     state = json.loads(json.dumps(sampler.state_dict()))
 
+    order = state.pop("order")
     assert state == {"epoch": 1, "index": 2, "consumed": 6}, "state is the next task's position"
+    assert isinstance(order, int) and order >= 0
+
+
+def test_a_state_resumes_only_over_the_same_tasks_and_seed() -> None:
+    """Another seed or dataset permutes differently: the same position would train some tasks
+    twice and skip others."""
+    sampler = TaskSampler(tasks_of(8), seed=0)
+    sampler.take(3)
+    state = sampler.state_dict()
+    for other in (TaskSampler(tasks_of(8), seed=1), TaskSampler(tasks_of(9), seed=0)):
+        with pytest.raises(DataError, match="differ from the run's checkpoint"):
+            other.load_state_dict(state)
+    same = TaskSampler(tasks_of(8), seed=0)
+    same.load_state_dict(state)
+    assert same.take(5) == sampler.take(5)
+    legacy = {k: v for k, v in state.items() if k != "order"}  # saved before it was recorded
+    TaskSampler(tasks_of(8), seed=1).load_state_dict(legacy)
 
 
 def test_sampler_rejects_a_state_past_the_dataset() -> None:

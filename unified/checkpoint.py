@@ -98,6 +98,7 @@ class RunDirectory:
                 f"run {str(self.path)!r}",
                 backend=ours.get("backend"),
                 model=ours.get("model"),
+                seed=(ours.get("trainer") or {}).get("seed"),
             )
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -240,11 +241,21 @@ def _replace_dir(src: Path, dst: Path) -> None:
     os.replace(src, dst)
 
 
-def _check_made_by(made_by: Path, what: str, *, backend: str | None, model: str | None) -> None:
-    """Refuse to go on from `what` if its `config.yaml` names another backend or model."""
+def _check_made_by(
+    made_by: Path, what: str, *, backend: str | None, model: str | None, seed: int | None = None
+) -> None:
+    """Refuse to go on from `what` if its `config.yaml` names another backend, model or (when
+    given) `trainer.seed`, which orders the tasks: another would train some twice."""
     if not made_by.is_file():
         return
     run_config = yaml.safe_load(made_by.read_text()) or {}
+    if seed is not None:
+        theirs_seed = (run_config.get("trainer") or {}).get("seed")
+        if theirs_seed is not None and theirs_seed != seed:
+            raise UsageError(
+                f"{what} was trained with trainer.seed={theirs_seed!r}, but the config says "
+                f"trainer.seed={seed!r}; pass trainer.seed={theirs_seed}"
+            )
     for key, ours in (("backend", backend), ("model", model)):
         theirs = run_config.get(key)
         if theirs is not None and theirs != ours and not _same_directory(theirs, ours):

@@ -12,6 +12,7 @@ pyarrow and datasets are imported only when a parquet file or dataset directory 
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import random
@@ -276,6 +277,11 @@ class TaskSampler:
         self._tasks = tuple(tasks)
         self._seed = seed
         self._shuffle = shuffle
+        # What fixes the order: the tasks' ids, the seed and shuffling (saved with the position).
+        digest = hashlib.blake2b(f"{seed}|{shuffle}".encode(), digest_size=8)
+        for task in self._tasks:
+            digest.update(b"\0" + task.id.encode())
+        self._fingerprint = int.from_bytes(digest.digest(), "big") >> 1  # a non-negative int
         self._epoch = 0
         self._index = 0
         self._consumed = 0
@@ -309,8 +315,14 @@ class TaskSampler:
         return [self.next() for _ in range(n)]
 
     def state_dict(self) -> dict[str, int]:
-        """The position of the next task, JSON-able: `{"epoch", "index", "consumed"}`."""
-        return {"epoch": self._epoch, "index": self._index, "consumed": self._consumed}
+        """The position of the next task, JSON-able: `{"epoch", "index", "consumed"}`, and
+        `"order"`, a fingerprint of the tasks, seed and shuffling it is a position in."""
+        return {
+            "epoch": self._epoch,
+            "index": self._index,
+            "consumed": self._consumed,
+            "order": self._fingerprint,
+        }
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Continue from a `state_dict()` of a sampler over the same tasks, seed and shuffle."""
@@ -322,6 +334,13 @@ class TaskSampler:
                     f"sampler state {key!r} must be an integer >= 0, got {value!r} in {dict(state)}"
                 )
             values[key] = value
+        order = state.get("order")  # absent from states saved before it was recorded
+        if order is not None and order != self._fingerprint:
+            raise DataError(
+                "the train tasks or trainer.seed differ from the run's checkpoint: "
+                "resuming would train some tasks twice and skip others; resume with the same "
+                "data and seed (or start a new run)"
+            )
         if values["index"] >= len(self._tasks):
             raise DataError(
                 f"sampler state index {values['index']} is past the {len(self._tasks)} tasks of "

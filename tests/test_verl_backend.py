@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from backends.verl.backend import VerlBackend
+from backends.verl.convert import Row
 from examples.countdown.tasks import make_tasks
 from examples.countdown.workflow import CountdownWorkflow
 from unified import UnifiedTrainer
@@ -201,3 +202,71 @@ def test_a_checkpoint_of_another_number_of_workers_is_refused_in_one_line() -> N
     check_saved_workers({}, 2)  # written before the count was recorded: nothing to compare
     with pytest.raises(UsageError, match=r"holds 4 workers' shards; resume with .*=4"):
         check_saved_workers({"num_workers": 4}, 2)
+
+
+def test_a_group_larger_than_a_node_is_split_into_node_sized_groups_or_refused() -> None:
+    """verl packs each placement group on one node: one group of 16 on two 8-GPU nodes would
+    wait for its bundles forever."""
+    from backends.verl.worker_group import placement
+    from unified.errors import BackendError
+
+    assert placement(2, [2.0], "CPU") == [2]
+    assert placement(8, [8.0, 8.0], "GPU") == [8]
+    assert placement(16, [8.0, 8.0], "GPU") == [8, 8]
+    with pytest.raises(BackendError, match=r"num_workers=12 must fit one node or be a multiple"):
+        placement(12, [8.0, 8.0], "GPU")
+
+
+def test_greedy_and_temperature_1_rows_score_together_and_other_mixes_are_refused() -> None:
+    from unified.errors import BackendError
+
+    backend = VerlBackend()
+    backend.config = load_config({"workflow": "x:y", "backend": "verl"})
+
+    def rows(*temperatures: float | None) -> list[Any]:
+        return [Row(prompt_ids=[1], temperature=t) for t in temperatures]
+
+    assert backend._temperature(rows(0.0, 1.0, None)) == 1.0
+    assert backend._temperature(rows(0.7, 0.7)) == 0.7
+    with pytest.raises(BackendError, match=r"mixes sampling temperatures \[0\.7, 1\.0\]"):
+        backend._temperature(rows(0.7, 0.0))
+
+
+async def test_a_stuck_worker_call_does_not_keep_shutdown_from_stopping_the_group() -> None:
+    """The calls run one at a time on one thread: a shutdown queued behind a stuck call would
+    never stop the workers, the placement groups or a private Ray."""
+    import threading
+
+    from backends.verl.config import VerlConfig
+    from unified.errors import BackendError
+
+    class StuckGroup:
+        release = threading.Event()
+        stopped = False
+
+        def train(self) -> None:
+            self.release.wait(60)
+
+        def shutdown(self) -> None:
+            self.stopped = True
+
+    backend = VerlBackend()
+    backend.settings = VerlConfig(call_timeout_s=0.5)
+    group = StuckGroup()
+    backend._group = group  # type: ignore[assignment]
+    try:
+        with pytest.raises(BackendError, match=r"a training step took more than 0\.5 s"):
+            await backend._call("a training step", group.train)
+        await backend.shutdown()
+        assert group.stopped and backend._group is None
+        # The trainer's own deadline (trainer.backend_timeout) cancels the call instead.
+        patient = VerlBackend()
+        patient.settings = VerlConfig(call_timeout_s=60)
+        second = StuckGroup()
+        patient._group = second  # type: ignore[assignment]
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(patient._call("a training step", second.train), 0.3)
+        await patient.shutdown()
+        assert second.stopped and patient._group is None
+    finally:
+        group.release.set()

@@ -20,6 +20,7 @@ import functools
 import json
 import math
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -42,7 +43,7 @@ from backends.verl.config import (
 from backends.verl.convert import Row, groups_to_rows, rows_to_batch
 from backends.verl.weights import tied_aliases
 from backends.verl.worker_group import PolicyGroup
-from unified.backend_calls import DaemonWorker
+from unified.backend_calls import DaemonWorker, in_daemon_thread
 from unified.config import TrainerConfig
 from unified.errors import BackendError, UsageError
 from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
@@ -89,6 +90,7 @@ class VerlBackend(BackendProtocol):
         self._pending: list[Row] = []
         self._lr: float | None = None
         self._calls: DaemonWorker | None = None  # made by the first worker-group call
+        self._last_call: Future[Any] | None = None  # still running: the thread is held
         self.steps = 0
 
     # -- set-up -------------------------------------------------------------------------------
@@ -193,12 +195,16 @@ class VerlBackend(BackendProtocol):
         return reply
 
     def _temperature(self, rows: list[Row]) -> float:
-        """The one temperature the rows were sampled at (greedy scores at 1)."""
-        found = {r.temperature for r in rows} - {None}
+        """The one temperature the rows are scored at: each row's sampling temperature, greedy
+        (0) scoring at 1, so greedy and temperature-1 rows share a batch."""
+
+        def scored(temperature: float | None) -> float:
+            return temperature if temperature and temperature > 0 else 1.0
+
+        found = {scored(r.temperature) for r in rows if r.temperature is not None}
         if len(found) > 1:
             raise BackendError(f"one verl batch mixes sampling temperatures {sorted(found)}")
-        temperature = found.pop() if found else self.config.sampling.train.temperature
-        return temperature if temperature and temperature > 0 else 1.0
+        return found.pop() if found else scored(self.config.sampling.train.temperature)
 
     async def _batch(self, rows: list[Row]) -> tuple[DataProto, int]:
         """verl's padded batch of `rows` and its rows per micro-batch."""
@@ -241,7 +247,6 @@ class VerlBackend(BackendProtocol):
             self.group.save_checkpoint,
             actor,
             step=self.steps,
-            max_keep=self.settings.max_ckpt_to_keep,
         )
         await asyncio.to_thread(self._save_sampler, directory)
 
@@ -287,9 +292,20 @@ class VerlBackend(BackendProtocol):
     async def shutdown(self) -> None:
         if hasattr(self, "sampler"):
             await self.sampler.wait_idle()
-        if self._group is not None:
-            group, self._group = self._group, None
-            await self._call("stopping the verl worker group", group.shutdown)
+        if self._group is None:
+            return
+        what = "stopping the verl worker group"
+        held = self._last_call is not None and not self._last_call.done()  # abandoned, stuck
+        if not held:  # on the thread that started Ray, like every call
+            await self._call(what, self._group.shutdown)
+        else:  # queued behind the stuck call it would never run: on a thread of its own
+            limit = self.settings.call_timeout_s
+            try:
+                async with asyncio.timeout(limit):
+                    await in_daemon_thread(self._group.shutdown)
+            except TimeoutError as e:
+                raise BackendError(f"verl backend: {what} took more than {limit:g} s") from e
+        self._group = None
 
     async def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a blocking worker-group call within `verl.call_timeout_s`, on the backend's one
@@ -299,6 +315,7 @@ class VerlBackend(BackendProtocol):
             self._calls = DaemonWorker("verl-calls")
         try:
             async with asyncio.timeout(limit):
-                return await self._calls.run(functools.partial(fn, *args, **kwargs))
+                self._last_call = self._calls.submit(functools.partial(fn, *args, **kwargs))
+                return await asyncio.wrap_future(self._last_call)
         except TimeoutError as e:
             raise BackendError(f"verl backend: {what} took more than {limit:g} s") from e

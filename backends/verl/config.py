@@ -45,11 +45,6 @@ VERL_VERSION = "0.9.1"
 # verl keys that existed in earlier releases: what became of them.
 RENAMED_KEYS: dict[str, str] = {
     "use_legacy_worker_impl": "removed in verl 0.9 (the engine workers are the only workers)",
-    "actor_rollout_ref.rollout.mode": "verl 0.9 rollout is async server mode only",
-    "actor_rollout_ref.actor.ppo_micro_batch_size": (
-        "use actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (our verl.micro_batch_size)"
-    ),
-    "critic.ppo_micro_batch_size": "use critic.ppo_micro_batch_size_per_gpu",
 }
 
 
@@ -91,9 +86,6 @@ class VerlConfig(BaseModel):
     )
     call_timeout_s: float = Field(
         1800.0, gt=0, description="Seconds one worker-group call may take before it fails."
-    )
-    max_ckpt_to_keep: int | None = Field(
-        None, ge=1, description="verl checkpoints kept inside one run checkpoint (null: all)."
     )
     extra_overrides: list[str] = Field(
         default_factory=list,

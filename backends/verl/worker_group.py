@@ -26,7 +26,7 @@ from backends.verl.convert import micro_batch_rows, to_no_padding
 from backends.verl.weights import from_wire, with_aliases
 from unified.errors import BackendError
 
-__all__ = ["PolicyGroup"]
+__all__ = ["PolicyGroup", "placement"]
 
 
 class PolicyGroup:
@@ -86,8 +86,10 @@ class PolicyGroup:
                 init_ray(address=self.ray_address, runtime_env={"env_vars": env})
             self._started_ray = True
         self._check_resources(ray.available_resources())
+        kind = "GPU" if self.device == "cuda" else "CPU"
+        nodes = [n["Resources"].get(kind, 0.0) for n in ray.nodes() if n.get("Alive")]
         self._pool = pool = RayResourcePool(
-            process_on_nodes=[self.num_workers],
+            process_on_nodes=placement(self.num_workers, nodes, kind),
             use_gpu=self.device == "cuda",
             max_colocate_count=1,
         )
@@ -229,13 +231,29 @@ class PolicyGroup:
             raise BackendError("no verl worker returned the exported weights")
         return with_aliases({name: from_wire(w) for name, w in sent.items()}, tied)
 
-    def save_checkpoint(self, directory: Path, *, step: int, max_keep: int | None) -> None:
-        """verl's checkpoint of model, optimizer and RNG shards into `directory` (every rank)."""
-        self.group.save_checkpoint(str(directory), None, step, max_keep)
+    def save_checkpoint(self, directory: Path, *, step: int) -> None:
+        """verl's checkpoint of model, optimizer and RNG shards into `directory` (every rank);
+        the trainer owns retention (each run checkpoint holds one), so verl keeps them all."""
+        self.group.save_checkpoint(str(directory), None, step, None)
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restore what `save_checkpoint` wrote into `directory`."""
         self.group.load_checkpoint(str(directory), None, False)
+
+
+def placement(workers: int, nodes: list[float], kind: str) -> list[int]:
+    """Workers per placement group: verl packs each group on one node, so a group larger than
+    the biggest node is split into node-sized groups (as verl's own trainer does), or refused
+    when it does not divide (Ray would wait for the bundles forever)."""
+    biggest = int(max(nodes, default=0.0))
+    if workers <= biggest:
+        return [workers]
+    if biggest == 0 or workers % biggest:
+        raise BackendError(
+            f"verl.num_workers={workers} must fit one node or be a multiple of the biggest "
+            f"node's {biggest} {kind}s (each node holds one packed group of workers)"
+        )
+    return [biggest] * (workers // biggest)
 
 
 def _reduce(metrics: dict[str, Any]) -> dict[str, float]:

@@ -50,6 +50,14 @@ class PidCountdown(CountdownWorkflow):
         return trajectory
 
 
+class SlowCountdown(PidCountdown):
+    """Countdown whose episodes each take 1 s before the model call."""
+
+    async def run(self, task: Task, model: RolloutEngine) -> Trajectory:
+        await asyncio.sleep(1.0)
+        return await super().run(task, model)
+
+
 class DiesOnce(PidCountdown):
     """Kills its own worker process in the middle of the first episode of task `doomed_task`.
 
@@ -186,6 +194,22 @@ def test_killing_a_worker_mid_run_loses_no_episode(
         indices = sorted(e.rollout_index for e in group.episodes)
         assert indices == list(range(GROUP)), f"group {group.task_id} has rollouts {indices}"
         assert all(e.status == "ok" for e in group.episodes)
+
+
+@pytest.mark.usefixtures("private_ray")
+def test_episodes_past_a_workers_slots_wait_in_the_trainer_and_lose_no_worker(
+    make_config: ConfigFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One worker with one slot and 8 episodes a step: queued inside the worker, the later ones
+    passed their deadline (workflow_timeout + stall_timeout, 9.5 s) while waiting, and the healthy
+    worker was killed as lost."""
+    config = countdown_on_two_workers(make_config)
+    config["trainer"] |= {"total_steps": 2, "workflow_timeout": 1.5, "stall_timeout": 8}
+    config["rollout"] = {"workers": 1, "worker_cpus": 0.5, "worker_concurrency": 1}
+    config["async"] = {"max_concurrency": 16}
+    result = UnifiedTrainer(config, workflow=SlowCountdown(), backend=LocalBackend()).fit()
+    assert result.steps == 2 and result.metrics["episodes/timeouts"] == 0.0
+    assert not [r for r in caplog.records if "lost" in r.getMessage()], "a worker was lost"
 
 
 @pytest.mark.usefixtures("private_ray")

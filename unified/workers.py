@@ -201,6 +201,7 @@ class WorkerPool:
         )
         self._live: list[_Worker] = []
         self._some_live = asyncio.Event()
+        self._slot_freed = asyncio.Event()  # an episode ended on a worker (or a worker came up)
         self._restarts_left = self._settings.max_worker_restarts
         self._keepers_left = workers
 
@@ -271,6 +272,7 @@ class WorkerPool:
         worker = _Worker(slot, actor)
         self._live.append(worker)
         self._some_live.set()
+        self._slot_freed.set()
         return worker
 
     async def _keep(self, remote: Any, worker: _Worker) -> None:
@@ -366,10 +368,27 @@ class WorkerPool:
                 raise
             finally:
                 worker.in_flight -= 1
+                self._slot_freed.set()
         message = f"its rollout worker died {_ATTEMPTS} times running this episode"
         return _failed(task, index, version, message), WorkerError(message), 0
 
     async def _live_worker(self) -> _Worker:
+        """The least busy live worker with a free slot: an episode waits here, not queued inside
+        a worker, where its deadline would run while it waits and a healthy worker be lost."""
+        while True:
+            worker = await self._any_live_worker()
+            if worker.in_flight < self._concurrency:
+                return worker
+            self._slot_freed.clear()
+            try:  # every running episode ends within its deadline, freeing a slot
+                async with asyncio.timeout(self._workflow_timeout_s + self._call_timeout_s):
+                    await self._slot_freed.wait()
+            except TimeoutError:
+                raise WorkerError(
+                    "no rollout worker slot freed within an episode's deadline; see the Ray logs"
+                ) from None
+
+    async def _any_live_worker(self) -> _Worker:
         while not self._live:
             if self._keepers_left == 0:
                 raise WorkerError(

@@ -169,7 +169,8 @@ def test_find_checkpoint_takes_the_newest_complete_one(tmp_path: Path) -> None:
     for name in ("step_000010", "step_000020", ".tmp-step_000030"):
         (checkpoints / name).mkdir(parents=True)
     for name in ("step_000010", "step_000020"):
-        (checkpoints / name / "trainer_state.json").write_text("{}")
+        state = {"step": int(name[5:]), "version": 0, "next_seq": 0, "sampler": {}}
+        (checkpoints / name / "trainer_state.json").write_text(json.dumps(state))
     newest = checkpoints / "step_000020"
     assert RunDirectory.find_checkpoint(tmp_path / "run") == newest
     assert RunDirectory.find_checkpoint(checkpoints / "step_000010") == checkpoints / "step_000010"

@@ -8,6 +8,7 @@ runs many more at random phases.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import shutil
@@ -115,3 +116,24 @@ def test_resume_drops_a_ledger_line_torn_by_a_crash_and_temporary_checkpoints(
     assert len(run.read_ledger()) == lines
     assert run.ledger_path.read_text().endswith("}\n"), "the torn tail is gone from the file"
     assert [p.name for p in run.checkpoints.iterdir()] == ["step_000002"]
+
+
+async def test_the_newest_readable_checkpoint_by_step_number_is_resumed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Names sort as text (`step_1000000` before `step_999999`), and a state emptied by a crash
+    of the machine must fall back to the checkpoint before it, not stop the resume."""
+    from unified.checkpoint import TrainerState
+
+    run = RunDirectory(tmp_path / "run")
+
+    async def no_backend(directory: Path) -> None:
+        await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+
+    for step in (999_999, 1_000_000, 1_000_001):
+        state = TrainerState(step=step, version=step, next_seq=0, sampler={}, redispatch=[])
+        await run.save_checkpoint(state, no_backend)
+    assert run.latest_checkpoint() == run.checkpoints / "step_1000001"
+    (run.checkpoints / "step_1000001" / "trainer_state.json").write_text("")
+    assert run.latest_checkpoint() == run.checkpoints / "step_1000000"
+    assert "step_1000001 is unreadable" in caplog.text

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 from collections.abc import Awaitable, Callable, Iterable
@@ -21,6 +22,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from unified.errors import UsageError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LedgerEntry", "RunDirectory", "TrainerState"]
 
@@ -142,11 +145,21 @@ class RunDirectory:
         return [LedgerEntry.model_validate_json(line) for line in _complete_lines(self.ledger_path)]
 
     def latest_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint directory, if any."""
+        """The newest complete checkpoint directory, if any: by step number, and one whose state
+        reads (a state damaged by a crash of the machine falls back to the one before)."""
         if not self.checkpoints.is_dir():
             return None
-        done = sorted(p for p in self.checkpoints.glob("step_*") if (p / _STATE_FILE).is_file())
-        return done[-1] if done else None
+        done = [p for p in self.checkpoints.glob("step_*") if (p / _STATE_FILE).is_file()]
+        for checkpoint in sorted(done, key=_step_of, reverse=True):
+            try:
+                self.load_state(checkpoint)
+            except (ValueError, OSError) as e:  # pydantic's ValidationError is a ValueError
+                log.warning(
+                    "checkpoint %s is unreadable (%s); trying the one before", checkpoint, e
+                )
+                continue
+            return checkpoint
+        return None
 
     async def save_checkpoint(
         self, state: TrainerState, save_backend: Callable[[Path], Awaitable[None]]
@@ -158,6 +171,7 @@ class RunDirectory:
         try:
             await save_backend(tmp / _BACKEND_DIR)
             await asyncio.to_thread(_write_atomic, tmp / _STATE_FILE, state.model_dump_json())
+            await asyncio.to_thread(_sync_tree, tmp)  # on disk before it is visible as done
             await asyncio.to_thread(_replace_dir, tmp, final)
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, tmp, True)
@@ -239,6 +253,33 @@ def _replace_dir(src: Path, dst: Path) -> None:
     if dst.exists():
         shutil.rmtree(dst)
     os.replace(src, dst)
+    _sync_dir(dst.parent)
+
+
+def _step_of(checkpoint: Path) -> int:
+    digits = checkpoint.name.removeprefix("step_")
+    return int(digits) if digits.isdigit() else -1
+
+
+def _sync_tree(root: Path) -> None:
+    """fsync every file and directory under `root`: a power loss after the rename must not
+    leave a checkpoint that looks complete with empty files."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _sync_dir(Path(directory))
+
+
+def _sync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _check_made_by(
@@ -275,5 +316,8 @@ def _same_directory(a: object, b: object) -> bool:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)

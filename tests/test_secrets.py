@@ -97,3 +97,17 @@ def test_a_registered_value_is_masked_whatever_its_variable(monkeypatch: Any) ->
     assert redact_config({"note": "x custom-secret-value-42"}) == {"note": f"x {MASK}"}
     register("short")
     assert redact("a short word") == "a short word", "short values are never masked"
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["api_key", "aws_secret_access_key", "private_key", "x-api-key", "Authorization", "api_keys",
+     "hf_token", "client_secret", "password", "secret_key"],
+)  # fmt: skip
+def test_config_entries_named_as_secrets_are_masked(key: str) -> None:
+    assert redact_config({"local": {key: "sk-live-abcdef123456"}}) == {"local": {key: MASK}}
+
+
+@pytest.mark.parametrize("key", ["pad_token", "eos_token", "max_tokens", "tokens", "api_key_env"])
+def test_tokenizer_tokens_and_token_counts_are_not_secrets(key: str) -> None:
+    assert redact_config({key: "<|endoftext|>"}) == {key: "<|endoftext|>"}

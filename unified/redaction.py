@@ -22,8 +22,12 @@ __all__ = ["MASK", "RedactingHandler", "redact", "redact_config", "register"]
 MASK = "***"
 _SECRET_ENV = re.compile(r"API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 _SECRET_KEY = re.compile(
-    r"(^|_)(api_?key|token|secret|password|passwd|credentials?)$", re.IGNORECASE
+    r"(^|[_-])(api[_-]?keys?|(access|private)[_-]?keys?|secret([_-]access)?([_-]?keys?)?|secrets"
+    r"|token|password|passwd|credentials?|authorization)$",
+    re.IGNORECASE,
 )
+# A tokenizer's special tokens are not secrets.
+_TOKENIZER_TOKEN = re.compile(r"(^|_)(pad|eos|bos|unk|sep|cls|mask)_token$", re.IGNORECASE)
 _MIN_LENGTH = 8  # shorter values ("true", "1") would mask ordinary words
 _registered: set[str] = set()
 
@@ -56,7 +60,7 @@ def redact_config(data: Any) -> Any:
     secret (`api_key`, `token`, `password`, ...) and known secret values anywhere."""
     if isinstance(data, Mapping):
         return {
-            k: MASK if _SECRET_KEY.search(str(k)) and v not in (None, "") else redact_config(v)
+            k: MASK if _names_a_secret(str(k)) and v not in (None, "") else redact_config(v)
             for k, v in data.items()
         }
     if isinstance(data, list | tuple):
@@ -75,3 +79,7 @@ class RedactingHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
     def format(self, record: logging.LogRecord) -> str:
         return redact(super().format(record))
+
+
+def _names_a_secret(key: str) -> bool:
+    return bool(_SECRET_KEY.search(key)) and not _TOKENIZER_TOKEN.search(key)

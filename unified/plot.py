@@ -57,10 +57,17 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
         ax.grid(alpha=0.3)
     fig.suptitle(run_dir.name)
     target = Path(output) if output is not None else run_dir / "curves.png"
+    if target.is_dir():
+        plt.close(fig)
+        raise UsageError(f"--output {str(target)!r} is a folder; give a .png path in it")
     if not target.parent.is_dir():
+        plt.close(fig)
         raise UsageError(f"--output {str(target)!r}: its folder does not exist; create it first")
     staged = target.with_name(f".{target.name}.tmp.png")
-    fig.savefig(staged, dpi=110)
-    plt.close(fig)
-    os.replace(staged, target)
+    try:
+        fig.savefig(staged, dpi=110)
+        os.replace(staged, target)
+    finally:
+        plt.close(fig)
+        staged.unlink(missing_ok=True)
     return target

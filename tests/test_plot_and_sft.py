@@ -36,7 +36,7 @@ def test_plot_of_a_live_run_skips_the_line_being_written(tmp_path: Path) -> None
     with pytest.raises(UsageError, match="its folder does not exist"):
         plot_run(tmp_path, tmp_path / "missing" / "curves.png")
     (tmp_path / "plots").mkdir()
-    with pytest.raises(UsageError, match="is a folder; give a .png path in it"):
+    with pytest.raises(UsageError, match=r"is a folder; give a \.png path in it"):
         plot_run(tmp_path, tmp_path / "plots")
     assert not list(tmp_path.glob(".*.tmp.png")), "no staged file is left behind"
 

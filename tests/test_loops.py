@@ -535,6 +535,11 @@ def test_resume_warns_of_groups_in_flight_whose_tasks_left_the_dataset(
     shutil.rmtree(run_dir / "checkpoints" / "step_000003")  # resume from the mid-run one
     state = RunDirectory.load_state(run_dir / "checkpoints" / "step_000002")
     assert state.redispatch, "async admission keeps groups in flight at a mid-run checkpoint"
+    # Other train tasks are refused (test_cli.py) unless the state predates the tasks'
+    # fingerprint: such a state resumes, and the groups it cannot run again are named.
+    del state.sampler["order"]
+    path = run_dir / "checkpoints" / "step_000002" / "trainer_state.json"
+    path.write_text(state.model_dump_json())
     second = {**first, "resume": True, "trainer": {**first["trainer"], "total_steps": 4}}
     with caplog.at_level(logging.WARNING, logger="unified.loop"):
         fit(second, BanditBackend(), train_tasks=bandit_tasks(24, prefix="other"))

@@ -87,6 +87,7 @@ ROWS: dict[str, tuple[Setup, str]] = {
         "is not UTF-8 text",
     ),
     "config anchor in itself": (config_file("local: &a {x: *a}\n"), "alias inside its own"),
+    "config key a date": (config_file("2024-01-01: x\n"), "Keys should be strings"),
     "relative import path": (override("workflow=.flows:Agent"), "cannot import module '.flows'"),
     "NaN tis_cap": (override("trainer.tis_cap=.nan"), "must be >= 1"),
     "override not YAML": (override("trainer.batch_size=[1"), "value is not valid YAML"),

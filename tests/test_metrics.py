@@ -163,9 +163,10 @@ def test_opposite_infinities_and_overflowing_sums_aggregate_instead_of_raising()
     aggregator.record_all("train/loss", [math.inf, -math.inf])
     aggregator.record_all("groups/tokens", [1e308, 1e308])
     aggregator.record_all("reward/std", [math.inf, 1.0])
+    aggregator.record_all("train/spread/std", [1e200, -1e200])
     metrics = aggregator.flush()
     assert math.isnan(metrics["train/loss"]) and metrics["groups/tokens"] == math.inf
-    assert math.isnan(metrics["reward/std"])
+    assert math.isnan(metrics["reward/std"]) and metrics["train/spread/std"] == math.inf
 
 
 def test_jsonl_sink_writes_one_object_per_step_with_null_for_nan(tmp_path: Path) -> None:

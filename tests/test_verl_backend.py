@@ -215,6 +215,8 @@ def test_a_group_larger_than_a_node_is_split_into_node_sized_groups_or_refused()
     assert placement(16, [8.0, 8.0], "GPU") == [8, 8]
     with pytest.raises(BackendError, match=r"num_workers=12 must fit one node or be a multiple"):
         placement(12, [8.0, 8.0], "GPU")
+    with pytest.raises(BackendError, match=r"with as many nodes that size"):
+        placement(16, [8.0, 4.0, 4.0], "GPU")  # a second group of 8 fits no node
 
 
 def test_greedy_and_temperature_1_rows_score_together_and_other_mixes_are_refused() -> None:

@@ -150,6 +150,7 @@ class DaemonWorker:
     def __init__(self, name: str) -> None:
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]
         self._calls = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -159,12 +160,15 @@ class DaemonWorker:
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Queue `fn` after the calls before it; its future."""
+        if self._closed:
+            raise RuntimeError(f"{self._thread.name} is closed")
         future: Future[T] = Future()
         self._calls.put((fn, future))
         return future
 
     def close(self) -> None:
         """End the thread once the queued calls ran; returns at once (a stuck call keeps it)."""
+        self._closed = True
         self._calls.put(None)
 
     def _serve(self) -> None:

@@ -393,7 +393,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             f"config file {str(path)!r} must hold a mapping, got {type(raw).__name__}"
         )
     try:
-        json.dumps(raw, default=str)
+        json.dumps(raw, default=str, skipkeys=True)  # other keys: validation names them
     except ValueError as e:  # only a cycle: `local: &a {x: *a}`
         raise ConfigError(
             f"config file {str(path)!r} has a YAML alias inside its own anchor ({e}); write "

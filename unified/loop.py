@@ -493,9 +493,11 @@ class TrainingLoop:
         try:
             await self._drain_logs()
         finally:
-            self._log_thread.close()
-            async with self._sink_deadline("closing the metrics sinks"):
-                await asyncio.to_thread(self.metrics.close)
+            try:  # behind any write still running (one past its deadline): never beside it
+                async with self._sink_deadline("closing the metrics sinks"):
+                    await self._log_thread.run(self.metrics.close)
+            finally:
+                self._log_thread.close()
 
     @asynccontextmanager
     async def _sink_deadline(self, what: str) -> AsyncIterator[None]:

@@ -101,11 +101,13 @@ class SamplerPool:
 
     def add_base(self, session_id: str) -> None:
         """Make `session_id` sample from the base model (blocking the first time)."""
+        base = None
         if BASE not in self._samplers:
-            self._samplers[BASE] = BatchingSampler(
-                self.template, self.tokenizer, max_batch=self.max_batch
-            )
-        self._snapshot_of[session_id] = BASE
+            base = BatchingSampler(self.template, self.tokenizer, max_batch=self.max_batch)
+        with self._lock:  # snapshots are added from other worker threads
+            if base is not None and BASE not in self._samplers:
+                self._samplers[BASE] = base
+            self._snapshot_of[session_id] = BASE
 
     def add_snapshot(
         self, session_id: str, weights: dict[str, torch.Tensor], owner: str | None = None

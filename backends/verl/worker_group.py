@@ -248,10 +248,12 @@ def placement(workers: int, nodes: list[float], kind: str) -> list[int]:
     biggest = int(max(nodes, default=0.0))
     if workers <= biggest:
         return [workers]
-    if biggest == 0 or workers % biggest:
+    hosts = sum(int(n) // biggest for n in nodes) if biggest else 0  # nodes a group fits on
+    if biggest == 0 or workers % biggest or hosts < workers // biggest:
         raise BackendError(
             f"verl.num_workers={workers} must fit one node or be a multiple of the biggest "
-            f"node's {biggest} {kind}s (each node holds one packed group of workers)"
+            f"node's {biggest} {kind}s with as many nodes that size (each holds one packed "
+            "group of workers)"
         )
     return [biggest] * (workers // biggest)
 

@@ -78,12 +78,19 @@ class RunDirectory:
         self.created = False
         """Whether `create` made the directory (so a run that trains nothing may remove it)."""
 
-    def create(self, config_yaml: str, *, resume: bool) -> Path | None:
+    def create(
+        self,
+        config_yaml: str,
+        *,
+        resume: bool,
+        check_state: Callable[[TrainerState], None] | None = None,
+    ) -> Path | None:
         """Make the directory and write `config.yaml`; refuse to overwrite an unrelated run.
 
         With `resume`, return the newest complete checkpoint (None if there is none) after
         dropping the ledger and metrics lines it does not hold (that work is redone) and the
-        temporary directories of checkpoints a crash interrupted.
+        temporary directories of checkpoints a crash interrupted. `check_state` may refuse the
+        checkpoint's state before anything of the run is changed.
         """
         if self.path.exists() and not self.path.is_dir():
             raise UsageError(
@@ -121,10 +128,12 @@ class RunDirectory:
                 f"cannot make run directory {str(self.path)!r}: a file is in the way; check "
                 "logging.run_dir and name"
             ) from None
-        _write_atomic(self.path / "config.yaml", config_yaml)
         checkpoint = self.latest_checkpoint() if resume else None
+        state = self.load_state(checkpoint) if checkpoint else None
+        if state is not None and check_state is not None:
+            check_state(state)
+        _write_atomic(self.path / "config.yaml", config_yaml)
         if resume:
-            state = self.load_state(checkpoint) if checkpoint else None
             self.resumed_step = state.step if state else -1
             self._truncate_ledger(state)
             self._truncate_metrics(self.resumed_step)

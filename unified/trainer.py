@@ -24,9 +24,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from unified.backend_calls import BackendCalls, DaemonExecutor
-from unified.checkpoint import RunDirectory
+from unified.checkpoint import RunDirectory, TrainerState
 from unified.config import TrainerConfig, load_config
-from unified.data import check_fields, load_eval_tasks, load_tasks
+from unified.data import TaskSampler, check_fields, load_eval_tasks, load_tasks
 from unified.errors import TrainingInterrupted, TrainingStopped
 from unified.loop import TrainingLoop
 from unified.metrics import metrics_for
@@ -94,6 +94,11 @@ class UnifiedTrainer:
         self._shutting_down = False
         return asyncio.run(fit_stopping_on_signals())
 
+    def _same_task_order(self, state: TrainerState) -> None:
+        """Refuse a checkpoint whose task order is not this run's (other tasks or seed): read
+        before `config.yaml` is rewritten."""
+        TaskSampler(self.train_tasks, seed=self.config.trainer.seed).load_state_dict(state.sampler)
+
     def _on_signal(self, signal_number: int) -> None:
         name = signal.Signals(signal_number).name
         if self._stop_signal is not None:
@@ -126,7 +131,10 @@ class UnifiedTrainer:
         try:
             self.config = await asyncio.to_thread(resolve_model, self.config)
             checkpoint = await asyncio.to_thread(
-                self.run.create, self.config.to_yaml(), resume=self.config.resume
+                self.run.create,
+                self.config.to_yaml(),
+                resume=self.config.resume,
+                check_state=self._same_task_order,
             )
             metrics = await asyncio.to_thread(metrics_for, self.config, self.run.resumed_step)
             try:

@@ -151,8 +151,14 @@ class DaemonWorker:
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]
         self._calls = queue.SimpleQueue()
         self._closed = False
+        self._running = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call is running on the thread now (one stuck there holds every later one)."""
+        return self._running
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the thread after the calls before it; await its result."""
@@ -176,10 +182,13 @@ class DaemonWorker:
             fn, future = item
             if not future.set_running_or_notify_cancel():
                 continue  # its caller gave up before it started
+            self._running = True
             try:
                 future.set_result(fn())
             except BaseException as e:
                 future.set_exception(e)
+            finally:
+                self._running = False
 
 
 class DaemonExecutor(ThreadPoolExecutor):

@@ -20,7 +20,6 @@ import functools
 import json
 import math
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -90,7 +89,6 @@ class VerlBackend(BackendProtocol):
         self._pending: list[Row] = []
         self._lr: float | None = None
         self._calls: DaemonWorker | None = None  # made by the first worker-group call
-        self._last_call: Future[Any] | None = None  # still running: the thread is held
         self.steps = 0
 
     # -- set-up -------------------------------------------------------------------------------
@@ -295,8 +293,7 @@ class VerlBackend(BackendProtocol):
         if self._group is None:
             return
         what = "stopping the verl worker group"
-        held = self._last_call is not None and not self._last_call.done()  # abandoned, stuck
-        if not held:  # on the thread that started Ray, like every call
+        if self._calls is None or not self._calls.busy:  # on Ray's thread, like every call
             await self._call(what, self._group.shutdown)
         else:  # queued behind the stuck call it would never run: on a thread of its own
             limit = self.settings.call_timeout_s
@@ -315,7 +312,6 @@ class VerlBackend(BackendProtocol):
             self._calls = DaemonWorker("verl-calls")
         try:
             async with asyncio.timeout(limit):
-                self._last_call = self._calls.submit(functools.partial(fn, *args, **kwargs))
-                return await asyncio.wrap_future(self._last_call)
+                return await self._calls.run(functools.partial(fn, *args, **kwargs))
         except TimeoutError as e:
             raise BackendError(f"verl backend: {what} took more than {limit:g} s") from e

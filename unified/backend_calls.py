@@ -197,7 +197,9 @@ class DaemonExecutor(ThreadPoolExecutor):
 
     A backend's blocking call past `trainer.backend_timeout` is abandoned by the trainer; with
     the stock pool, `asyncio.run` (closing the loop) and the interpreter's exit would then wait
-    for that thread forever. Here neither waits: `shutdown` returns at once.
+    for that thread forever. Here neither waits: `shutdown` returns at once. Unlike the stock
+    pool it has no thread cap: concurrent calls each get a thread (a capped pool would queue
+    the calls behind a stuck one).
     """
 
     def __init__(self, name: str = "unified-blocking") -> None:

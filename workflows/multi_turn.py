@@ -99,10 +99,7 @@ class MultiTurnWorkflow(Workflow):
         """The first observation as messages, `system_prompt` in front: merged into the
         environment's own system message if it opens with one (one system message, which some
         chat templates require)."""
-        if isinstance(observation, str):
-            messages = [{"role": self.observation_role, "content": observation}]
-        else:
-            messages = [dict(m) for m in observation]
+        messages = [dict(m) for m in self._messages(observation)]
         if not self.system_prompt:
             return messages
         if messages and messages[0].get("role") == "system":
@@ -111,7 +108,9 @@ class MultiTurnWorkflow(Workflow):
         return [{"role": "system", "content": self.system_prompt}, *messages]
 
     def _observe(self, transcript: Transcript, observation: Observation) -> None:
+        transcript.extend(self._messages(observation))
+
+    def _messages(self, observation: Observation) -> Sequence[dict[str, Any]]:
         if isinstance(observation, str):
-            transcript.append({"role": self.observation_role, "content": observation})
-        else:
-            transcript.extend(observation)
+            return [{"role": self.observation_role, "content": observation}]
+        return observation

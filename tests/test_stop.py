@@ -23,14 +23,24 @@ from tests.crashing import check_run
 from tests.stopping import InterruptingWorkflow
 from unified import UnifiedTrainer
 from unified.checkpoint import RunDirectory
+from unified.protocol import RunStatus
 from unified.trainer import TrainingInterrupted
 
 REPO = Path(__file__).resolve().parent.parent
 EPISODES_PER_STEP = 2 * 4  # batch_size x group_size of `make_config`
 
 
-def fit(config: dict[str, Any], workflow: Any = None) -> Any:
-    trainer = UnifiedTrainer(config, workflow=workflow, backend=BanditBackend())
+class ToldBackend(BanditBackend):
+    """The bandit, keeping what the trainer told it of how the run ended."""
+
+    outcome: tuple[str, str | None] | None = None
+
+    def set_outcome(self, status: RunStatus, detail: str | None = None) -> None:
+        self.outcome = (status, detail)
+
+
+def fit(config: dict[str, Any], workflow: Any = None, backend: Any = None) -> Any:
+    trainer = UnifiedTrainer(config, workflow=workflow, backend=backend or BanditBackend())
     return trainer.fit()
 
 
@@ -65,12 +75,15 @@ _BANDIT_DATA = {"generator": "tests.bandit:bandit_tasks", "n": 24}
 def test_a_signal_lets_the_step_in_progress_train_then_checkpoints_and_raises(
     make_config: ConfigFactory, signal_number: int, exit_code: int, episode: int
 ) -> None:
-    full = fit(run_config(make_config, "full"))
+    full_backend, stopped_backend = ToldBackend(), ToldBackend()
+    full = fit(run_config(make_config, "full"), backend=full_backend)
     config = run_config(make_config, "stopped")
     during_step_3 = InterruptingWorkflow(at=episode, signal_number=signal_number)
     with pytest.raises(TrainingInterrupted, match="after step 3") as info:
-        fit(config, during_step_3)
+        fit(config, during_step_3, backend=stopped_backend)
     assert info.value.exit_code == exit_code
+    assert full_backend.outcome == ("success", None), "told before its shutdown"
+    assert stopped_backend.outcome is not None and stopped_backend.outcome[0] == "interrupted"
     run = RunDirectory(full.run_dir.parent / "stopped")
     assert run.latest_checkpoint() == run.checkpoints / "step_000003", "a final checkpoint"
     assert logged_steps(run.path) == [1, 2, 3], "the step in progress trained and was logged"

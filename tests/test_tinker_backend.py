@@ -99,6 +99,7 @@ def test_reward_rises_when_training_through_tinker(
     first, last = sum(curve[:3]) / 3, sum(curve[3:]) / 3
     assert last > first + 0.05, f"{mode}: reward did not rise: {curve}"
     assert "train/kl_sample_train" in result.metrics and "train/grad_norm" in result.metrics
+    assert list(server.service.finished.values()) == ["success"], "the session says it succeeded"
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +154,33 @@ def test_without_url_or_key_the_backend_trains_on_its_own_local_server_and_resum
     assert resumed.steps == 4 and steps == [1, 2, 3, 4], f"step count not continuous: {steps}"
 
 
+def test_a_resume_makes_the_policy_client_from_saved_state_only(
+    server: LocalServer, tinker_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tinker cannot drop a client: a resume that first made a fresh policy client and then
+    one from the checkpoint would keep an untrained model on the service all session."""
+    made: list[str] = []
+    create_model, load_weights = server.service.create_model, server.service.load_weights
+
+    async def counted_create(request: dict[str, Any]) -> Any:
+        made.append("fresh")
+        return await create_model(request)
+
+    async def counted_load(request: dict[str, Any]) -> Any:
+        made.append("from state")
+        return await load_weights(request)
+
+    monkeypatch.setattr(server.service, "create_model", counted_create)
+    monkeypatch.setattr(server.service, "load_weights", counted_load)
+    config = tinker_config(server.base_url, trainer={"total_steps": 1, "save_every": 1})
+    UnifiedTrainer(config, train_tasks=tasks()).fit()
+    fresh = made.count("fresh")  # the policy's, and the KL reference's if the run has one
+    made.clear()
+    resumed = {**config, "resume": True, "trainer": {**config["trainer"], "total_steps": 2}}
+    assert UnifiedTrainer(resumed, train_tasks=tasks()).fit().steps == 2
+    assert made.count("from state") == 1 and made.count("fresh") == fresh - 1, made
+
+
 def test_injected_5xx_and_429_are_retried_and_training_completes(
     tmp_path: Path, tinker_config: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -173,10 +201,12 @@ def test_an_error_future_stops_training_with_a_clear_error(
 ) -> None:
     monkeypatch.setenv("TINKER_API_KEY", KEY)
     faults = Faults(error_future_rate=1.0, error_future_paths=frozenset({"/api/v1/optim_step"}))
-    with LocalServer("builtin:tiny", store=tmp_path / "store", faults=faults) as url:
+    served = LocalServer("builtin:tiny", store=tmp_path / "store", faults=faults)
+    with served as url:
         config = tinker_config(url, trainer={"total_steps": 2})
         with pytest.raises(BackendError, match=r"optim_step failed.*injected error future"):
             UnifiedTrainer(config, train_tasks=tasks()).fit()
+    assert list(served.service.finished.values()) == ["errored"], "the session says it failed"
 
 
 def test_a_wrong_key_is_one_clear_line(

@@ -140,7 +140,8 @@ async def test_a_workers_model_calls_wait_for_the_trainers_replies_in_one_batch(
     engine = _TrainerEngine(tokenizer=None)
     first = asyncio.create_task(engine.chat([{"role": "user", "content": "hi"}], seed=1))
     second = asyncio.create_task(engine.complete([1, 2], seed=2))
-    requests = await engine.take(wait_s=5.0)
+    requests, given_up = await engine.take(wait_s=5.0)
+    assert given_up == []
     assert [(method, sampling) for _, method, _, sampling in requests] == [
         ("chat", {"seed": 1}),
         ("complete", {"seed": 2}),
@@ -157,7 +158,82 @@ async def test_a_workers_model_calls_wait_for_the_trainers_replies_in_one_batch(
     assert await first == output
     with pytest.raises(BackendError, match="no sampler"):
         await second
-    assert await engine.take(wait_s=0.01) == [], "nothing is left queued"
+    assert await engine.take(wait_s=0.01) == ([], []), "nothing is left queued"
+
+
+async def test_a_call_whose_workflow_gave_up_is_unsent_or_given_up_to_the_trainer() -> None:
+    from unified.workers import _TrainerEngine
+
+    engine = _TrainerEngine(tokenizer=None)
+    unsent = asyncio.create_task(engine.complete([1], seed=1))
+    await asyncio.sleep(0)
+    unsent.cancel()  # before any take: the trainer never sees it
+    with pytest.raises(asyncio.CancelledError):
+        await unsent
+    sent = asyncio.create_task(engine.complete([2], seed=2))
+    (request,), _ = await engine.take(wait_s=5.0)
+    assert request[2] == [2], "the call given up on before it was taken is not sent"
+    sent.cancel()  # taken: the trainer is running it
+    with pytest.raises(asyncio.CancelledError):
+        await sent
+    assert await engine.take(wait_s=5.0) == ([], [request[0]]), "the next poll names it"
+
+
+class StuckFirstCall(LocalBackend):
+    """The local backend, whose engine holds the first model call until it is cancelled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = 0
+        self.steps = 0
+        self.cancelled_at_step: list[int] = []
+
+    async def optim_step(self) -> dict[str, float]:
+        self.steps += 1
+        return await super().optim_step()
+
+    def rollout_engine(self) -> RolloutEngine:
+        return HoldFirstCall(super().rollout_engine(), self)
+
+
+class HoldFirstCall(RolloutEngine):
+    """An engine that holds the backend's first chat call until it is cancelled."""
+
+    def __init__(self, inner: RolloutEngine, backend: StuckFirstCall) -> None:
+        self.inner, self.backend = inner, backend
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.inner.tokenizer
+
+    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
+        if self.backend.held:
+            return await self.inner.chat(messages, **sampling)
+        self.backend.held += 1
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.backend.cancelled_at_step.append(self.backend.steps)
+        raise AssertionError("never set")
+
+    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
+        return await self.inner.complete(prompt_ids, **sampling)
+
+
+@pytest.mark.usefixtures("private_ray")
+def test_a_model_call_whose_workflow_timed_out_in_a_worker_stops_in_the_trainer(
+    make_config: ConfigFactory,
+) -> None:
+    """The workflow's timeout ends its episode in the worker; the trainer must stop sampling
+    for it too, or the request runs to `max_tokens` while holding the sampler."""
+    config = countdown_on_two_workers(make_config)
+    config["trainer"] |= {"workflow_timeout": 2}
+    backend = StuckFirstCall()
+    result = UnifiedTrainer(config, backend=backend).fit()
+    assert result.steps == STEPS and backend.held == 1
+    # Not only when the run ends and its serving stops: the episode's timeout ends step 1.
+    (step,) = backend.cancelled_at_step
+    assert step < STEPS, "the held call ran until the run ended"
 
 
 @pytest.mark.usefixtures("private_ray")

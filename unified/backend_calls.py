@@ -23,8 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
 from unified.config import TrainerSection
-from unified.errors import BackendReplyError, StallError
-from unified.protocol import BackendProtocol
+from unified.errors import BackendReplyError, StallError, TrainingInterrupted
+from unified.protocol import BackendProtocol, RunStatus
 from unified.retry import NO_RETRY, retrying
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "DaemonWorker",
     "finite",
     "in_daemon_thread",
+    "run_status",
 ]
 
 T = TypeVar("T")
@@ -106,6 +107,23 @@ class BackendCalls:
                 f"({type(value).__name__}); metric values must be numbers (fix the backend)"
             )
         return {k: float(v) for k, v in reply.items()}
+
+    async def shutdown(self, error: BaseException | None) -> None:
+        """Tell the backend how the command ended (`error`, None for success), then shut it
+        down within the deadline. A backend whose `set_outcome` fails is still shut down."""
+        try:
+            self.backend.set_outcome(*run_status(error))
+        finally:
+            await self.call("shutdown", self.backend.shutdown)
+
+
+def run_status(error: BaseException | None) -> tuple[RunStatus, str | None]:
+    """The status a command ending with `error` reports, and a one-line detail."""
+    if error is None:
+        return "success", None
+    detail = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+    stopped = (TrainingInterrupted, KeyboardInterrupt, asyncio.CancelledError)
+    return ("interrupted" if isinstance(error, stopped) else "errored"), detail
 
 
 async def in_daemon_thread(fn: Callable[[], T]) -> T:

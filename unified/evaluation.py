@@ -146,7 +146,10 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
     async def load(directory: Path) -> None:
         await calls.call("load_checkpoint", functools.partial(backend.load_checkpoint, directory))
 
+    error: BaseException | None = None
     try:
+        if source is not None:
+            backend.will_load_checkpoint()
         await calls.call("setup", functools.partial(backend.setup, config))
         version = 0
         if source is not None:
@@ -162,5 +165,8 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
             timeout_s=config.trainer.workflow_timeout,
             slots=WorkflowSlots.for_config(config),
         )
+    except BaseException as e:
+        error = e
+        raise
     finally:
-        await calls.call("shutdown", backend.shutdown)
+        await calls.shutdown(error)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,6 +26,7 @@ __all__ = [
     "BackendCapabilities",
     "BackendProtocol",
     "RolloutEngine",
+    "RunStatus",
     "Tokenizer",
     "check_capabilities",
     "create_backend",
@@ -35,6 +36,8 @@ __all__ = [
 ALL_LOSSES = frozenset({"cross_entropy", "importance_sampling", "ppo", "cispo"})
 ALL_ADVANTAGES = frozenset({"grpo", "dr_grpo", "rloo", "reinforce"})
 DEFAULT_TIS_CAP = 2.0  # what trainer.tis_cap "auto" means in async mode
+RunStatus = Literal["success", "errored", "interrupted"]
+"""How a command ended, as `BackendProtocol.set_outcome` is told (tinker's finish reasons)."""
 
 
 @runtime_checkable
@@ -142,6 +145,14 @@ class BackendProtocol(ABC):
 
     def set_learning_rate(self, lr: float) -> None:  # noqa: B027 - optional hook
         """Use `lr` for the next `optim_step`; the trainer calls it with the scheduled value."""
+
+    def will_load_checkpoint(self) -> None:  # noqa: B027 - optional hook
+        """Told before `setup` when `load_checkpoint` follows it (a resume, an evaluation of a
+        checkpoint): a backend can then skip making fresh state that the load would replace."""
+
+    def set_outcome(self, status: RunStatus, detail: str | None = None) -> None:  # noqa: B027
+        """How the command ended, told just before `shutdown`, so a remote service can record
+        it (tinker's session finish reason). Optional: the default ignores it."""
 
     async def export_model(self, directory: Path) -> None:
         """Write the trained policy where users can load it (e.g. a Hugging Face directory)."""

@@ -100,6 +100,7 @@ async def _fine_tune(
 ) -> Path:
     metrics = await asyncio.to_thread(metrics_for, config)
     calls = BackendCalls(backend, config.trainer, describe=lambda: "unified sft")
+    error: BaseException | None = None
     try:
         await calls.call("setup", functools.partial(backend.setup, config))
         engine = backend.rollout_engine()
@@ -121,9 +122,12 @@ async def _fine_tune(
             }
             await asyncio.to_thread(metrics.log, step + 1, values)
         await calls.call("export_model", functools.partial(backend.export_model, output))
+    except BaseException as e:
+        error = e
+        raise
     finally:
         try:
-            await calls.call("shutdown", backend.shutdown)
+            await calls.shutdown(error)
         finally:
             await asyncio.to_thread(metrics.close)
     return output

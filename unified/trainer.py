@@ -154,6 +154,8 @@ class UnifiedTrainer:
             if self._stop_signal is not None:
                 loop.request_stop(self._stop_signal)
             calls = loop.calls
+            if checkpoint is not None:
+                self.backend.will_load_checkpoint()
             await calls.call("setup", functools.partial(self.backend.setup, self.config))
             await loop.start(checkpoint)
             await loop.run()
@@ -167,7 +169,7 @@ class UnifiedTrainer:
             self._loop = None
             self._shutting_down = True
         try:
-            await calls.call("shutdown", self.backend.shutdown)
+            await calls.shutdown(error)
         except Exception as e:
             error = _also(error, e, "the backend's shutdown")
         finally:  # whatever the shutdown did, a cancel included: metrics written, sinks closed

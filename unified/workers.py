@@ -5,8 +5,9 @@ with its own event loop and concurrency limit, so tool and environment work is s
 processes (and nodes). The trainer keeps admission, groups and the ledger; it gets finished
 `Episode`s back. A workflow's model calls come back to the trainer: the worker queues each
 request, the trainer long-polls every worker for its queue (`take_requests`), runs the requests
-on `backend.rollout_engine()` and delivers the outputs (`deliver`). Every backend works this way,
-wherever its model lives, and weight syncs stay where they are.
+on `backend.rollout_engine()` and delivers the outputs (`deliver`); a call whose workflow gave up
+(its timeout) is unsent, or cancelled in the trainer, so the backend stops sampling it. Every
+backend works this way, wherever its model lives, and weight syncs stay where they are.
 
 Invariant: every `WorkerPool.run` returns exactly one episode. A worker that dies is detected on
 the calls pending on it; its episodes run again (same task, rollout index, version and seed) on
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 Request = tuple[int, str, Any, dict[str, Any]]
 """A model call queued by a worker: (call id, "chat" or "complete", messages or ids, sampling)."""
 
+Taken = tuple[list[Request], list[int]]
+"""A long poll's answer: the new requests, and the ids of sent ones whose callers gave up."""
+
 Reply = tuple[int, ModelOutput | BaseException]
 
 _POLL_S = 5.0
@@ -63,6 +67,7 @@ class _TrainerEngine(RolloutEngine):
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future[ModelOutput]] = {}
         self._queue: list[Request] = []
+        self._given_up: list[int] = []
         self._queued = asyncio.Event()
 
     @property
@@ -90,16 +95,29 @@ class _TrainerEngine(RolloutEngine):
             return await reply
         finally:
             self._waiting.pop(call_id, None)
+            if reply.cancelled() or not reply.done():  # the workflow gave up (its timeout)
+                self._give_up(call_id)
 
-    async def take(self, wait_s: float) -> list[Request]:
-        """The queued requests, waiting up to `wait_s` for the first one."""
-        if not self._queue:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait_s):
+    def _give_up(self, call_id: int) -> None:
+        """Unsend a call whose caller gave up, or tell the trainer to stop running it."""
+        unsent = [request for request in self._queue if request[0] == call_id]
+        if unsent:
+            self._queue.remove(unsent[0])
+            return
+        self._given_up.append(call_id)
+        self._queued.set()
+
+    async def take(self, wait_s: float) -> Taken:
+        """The queued requests and the given-up ids, waiting up to `wait_s` for either."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                while not self._queue and not self._given_up:  # one unsent since may be gone
+                    self._queued.clear()
                     await self._queued.wait()
-        requests, self._queue = self._queue, []
+        taken = (self._queue, self._given_up)
+        self._queue, self._given_up = [], []
         self._queued.clear()
-        return requests
+        return taken
 
     def deliver(self, replies: list[Reply]) -> None:
         """Resolve waiting calls; a reply for a call given up on (a timed-out run) is dropped."""
@@ -141,8 +159,9 @@ class RolloutWorker:
             )
         return episode, _portable(error), tokens
 
-    async def take_requests(self, wait_s: float) -> list[Request]:
-        """The model calls queued since the last take (long poll, up to `wait_s`)."""
+    async def take_requests(self, wait_s: float) -> Taken:
+        """The model calls queued since the last take, and those given up on since (long poll,
+        up to `wait_s`)."""
         return await self._engine.take(wait_s)
 
     async def deliver(self, replies: list[Reply]) -> None:
@@ -171,6 +190,7 @@ class _Worker:
         self.lost = asyncio.Event()
         self.replies: list[Reply] = []
         self.has_replies = asyncio.Event()
+        self.answering: dict[int, asyncio.Task[None]] = {}
 
 
 class WorkerPool:
@@ -316,10 +336,14 @@ class WorkerPool:
                 delivering = serving.create_task(self._deliver(worker))
                 while not worker.lost.is_set():
                     async with asyncio.timeout(_POLL_S + self._call_timeout_s):
-                        requests = await worker.actor.take_requests.remote(_POLL_S)
+                        requests, given_up = await worker.actor.take_requests.remote(_POLL_S)
                     engine = self._backend.rollout_engine()
                     for request in requests:
-                        serving.create_task(self._answer(worker, engine, request))
+                        answer = serving.create_task(self._answer(worker, engine, request))
+                        worker.answering[request[0]] = answer
+                    for call_id in given_up:  # the backend stops sampling for them
+                        if (running := worker.answering.pop(call_id, None)) is not None:
+                            running.cancel()
                 delivering.cancel()
         except* (RayActorError, TimeoutError):
             pass  # lost: the caller replaces it
@@ -332,6 +356,8 @@ class WorkerPool:
             output = await call(payload, **sampling)
         except Exception as e:  # the workflow's model call raised: it gets the error
             output = _portable(e) or e
+        finally:
+            worker.answering.pop(call_id, None)
         worker.replies.append((call_id, output))
         worker.has_replies.set()
 

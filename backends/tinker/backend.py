@@ -43,7 +43,7 @@ from backends.tinker.server_process import ServerProcess
 from unified.backend_calls import in_daemon_thread
 from unified.config import TrainerConfig
 from unified.errors import BackendError, ConfigError, TransientBackendError, UsageError
-from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
+from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine, RunStatus
 from unified.redaction import register
 from unified.retry import NO_RETRY, retrying
 from unified.types import ModelOutput, SamplingParams, TrajectoryGroup
@@ -93,6 +93,9 @@ class TinkerBackend(BackendProtocol):
         self._server: ServerProcess | None = None
         self._service: tinker.ServiceClient | None = None
         self.base_url: str | None = None
+        self._outcome: tuple[RunStatus, str | None] = ("success", None)
+        self._training: tinker.TrainingClient | None = None
+        self._load_next = False
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -121,18 +124,9 @@ class TinkerBackend(BackendProtocol):
         except tinker.TinkerError as e:
             raise UsageError(f"tinker: {e} (from ${settings.api_key_env})") from e
         service = self._service
-        # The first call of a ServiceClient blocks while it opens the session.
-        self.training = await self._remote(
-            "create_lora_training_client",
-            lambda: service.create_lora_training_client(
-                self.base_model, rank=settings.lora_rank, seed=settings.lora_seed
-            ),
-            idempotent=True,
-            blocking=True,
-        )
-        self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
         # The KL reference is the base model: a LoRA client that is never trained (its adapters
         # start at zero) scores a whole batch in one `forward`, not a request per sequence.
+        # The first call of a ServiceClient blocks while it opens the session.
         self.reference: tinker.TrainingClient | None = None
         if config.trainer.kl_coef > 0:
             self.reference = await self._remote(
@@ -143,7 +137,38 @@ class TinkerBackend(BackendProtocol):
                 idempotent=True,
                 blocking=True,
             )
-        self._publish(await self._new_sampling_client(), version=0)
+        if self._load_next:
+            return  # `load_checkpoint` makes the policy's client from the saved state
+        training = await self._remote(
+            "create_lora_training_client",
+            lambda: service.create_lora_training_client(
+                self.base_model, rank=settings.lora_rank, seed=settings.lora_seed
+            ),
+            idempotent=True,
+            blocking=True,
+        )
+        await self._use_policy(training, version=0)
+
+    def will_load_checkpoint(self) -> None:
+        # Tinker makes a client from saved state, and has no call to drop one: a fresh policy
+        # client made by `setup` first would stay on the service, untrained, all session.
+        self._load_next = True
+
+    @property
+    def training(self) -> tinker.TrainingClient:
+        """The policy's training client."""
+        if self._training is None:
+            raise BackendError(
+                "tinker: no policy client: the trainer said a checkpoint would be loaded after "
+                "setup, and none was"
+            )
+        return self._training
+
+    async def _use_policy(self, training: tinker.TrainingClient, *, version: int) -> None:
+        """Train `training` from now on, and sample its weights as policy `version`."""
+        self._training = training
+        self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
+        self._publish(await self._new_sampling_client(), version=version)
 
     def check_config(self, config: TrainerConfig) -> None:
         settings = TinkerConfig.from_section(config.tinker)
@@ -384,18 +409,22 @@ class TinkerBackend(BackendProtocol):
         record = json.loads(await asyncio.to_thread(path.read_text))
         service = self._service
         assert service is not None
-        self.training = await self._remote(
+        training = await self._remote(
             "create_training_client_from_state_with_optimizer",
             lambda: service.create_training_client_from_state_with_optimizer(record["state_path"]),
         )
         # The sampler restarts from the restored weights, at the version the run had synced.
-        self._publish(await self._new_sampling_client(), version=int(record["sampler_version"]))
+        await self._use_policy(training, version=int(record["sampler_version"]))
+
+    def set_outcome(self, status: RunStatus, detail: str | None = None) -> None:
+        self._outcome = (status, detail)
 
     async def shutdown(self) -> None:
         try:
             if self._service is not None:
                 service, self._service = self._service, None
-                await self._remote("close", lambda: service.close("success"))
+                status, detail = self._outcome
+                await self._remote("close", lambda: service.close(status, detail))
         finally:
             if self._server is not None:
                 server, self._server = self._server, None

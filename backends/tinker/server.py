@@ -126,8 +126,14 @@ def create_app(
         return {"status": "accepted"}
 
     @app.post("/api/v1/sessions/{session_id}/finish")
-    async def finish(session_id: str) -> Response:
-        service.finish_session(session_id)
+    async def finish(session_id: str, request: Request) -> Response:
+        try:  # the SDK sends {"reason": {"type": status}, "detail": ...}; be lenient
+            reason = json.loads(await request.body() or b"{}").get("reason") or {}
+            status = str(reason.get("type") or "unknown")
+        except (ValueError, AttributeError):
+            status = "unknown"
+        service.finish_session(session_id, status)
+        log.info("session %s finished: %s", session_id, status)
         return Response(status_code=200)
 
     @app.post("/api/v1/create_model")

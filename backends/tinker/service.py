@@ -31,6 +31,7 @@ from backends.tinker.wire import (
 __all__ = ["LocalTinker"]
 
 _KINDS = ("weights", "sampler_weights")
+FINISHED_KEPT = 1024
 
 
 def json_outcome(payload: dict[str, Any]) -> Outcome:
@@ -57,6 +58,8 @@ class LocalTinker:
         self.keep_samplers = keep_samplers
         self.models: dict[str, _Model] = {}
         self.sessions: set[str] = set()
+        self.finished: dict[str, str] = {}
+        """How the latest `FINISHED_KEPT` sessions ended, as their clients said."""
         self._sampling_sessions = 0
 
     def load(self) -> None:
@@ -98,10 +101,13 @@ class LocalTinker:
         self.sessions.add(session_id)
         return session_id
 
-    def finish_session(self, session_id: str) -> None:
+    def finish_session(self, session_id: str, status: str = "success") -> None:
         """Free what a client session made: its training models and their weight snapshots
-        (the sampling sessions on them then answer as expired)."""
+        (the sampling sessions on them then answer as expired). The first status is kept."""
         self.sessions.discard(session_id)
+        self.finished.setdefault(session_id, status)
+        while len(self.finished) > FINISHED_KEPT:
+            del self.finished[next(iter(self.finished))]
         prefix = f"{session_id}:"
         for model_id in [m for m in self.models if m.startswith(prefix)]:
             del self.models[model_id]

@@ -80,10 +80,9 @@ def test_async_config_states_the_staleness_bound_in_verls_terms(model_dir: Path)
 
 
 def test_extra_overrides_apply_last(model_dir: Path) -> None:
-    config = run_config(
-        verl={"extra_overrides": ["actor_rollout_ref.actor.optim.weight_decay=0.3"]}
-    )
-    assert composed(config, model_dir).actor_rollout_ref.actor.optim.weight_decay == 0.3
+    overrides = ["actor_rollout_ref.model.enable_gradient_checkpointing=True"]
+    config = run_config(verl={"extra_overrides": overrides})
+    assert composed(config, model_dir).actor_rollout_ref.model.enable_gradient_checkpointing
 
 
 def test_a_key_verl_removed_is_refused_with_what_became_of_it(model_dir: Path) -> None:
@@ -100,10 +99,33 @@ def test_a_key_verl_does_not_know_is_one_line_naming_it(model_dir: Path) -> None
 
 
 def test_verls_own_validation_runs(model_dir: Path) -> None:
-    # verl requires the mini-batch to divide the train batch.
-    config = run_config(verl={"extra_overrides": ["data.train_batch_size=3"]})
-    with pytest.raises(ConfigError, match="verl's config validation failed"):
+    # verl refuses the deprecated micro-batch key beside the per-GPU one unified sets.
+    config = run_config(
+        verl={"extra_overrides": ["actor_rollout_ref.actor.ppo_micro_batch_size=2"]}
+    )
+    with pytest.raises(ConfigError, match="verl's config validation failed") as caught:
         composed(config, model_dir)
+    assert "\n" not in str(caught.value) and "ppo_micro_batch_size" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("data.train_batch_size=3", r"data\.train_batch_size would have no effect"),
+        ("algorithm.adv_estimator=rloo", r"algorithm\.adv_estimator would have no effect"),
+        ("actor_rollout_ref.actor.ppo_epochs=2", r"ppo_epochs is unified's to set: the trainer"),
+        (
+            "+actor_rollout_ref.actor.optim.lr=1e-3",
+            r"optim\.lr is unified's to set: use trainer\.lr",
+        ),
+    ],
+)
+def test_an_override_the_workers_never_see_or_unified_sets_is_refused(
+    override: str, says: str
+) -> None:
+    """verl's validation accepts them; with unified's loop they did nothing, silently."""
+    with pytest.raises(ConfigError, match=rf"verl\.extra_overrides.*{says}"):
+        parse_verl_config(run_config(verl={"extra_overrides": [override]}))
 
 
 def test_a_misspelt_verl_section_key_names_it() -> None:

@@ -1,8 +1,9 @@
 """Our run config in verl's terms: the `verl:` section, Hydra overrides, verl's own validation.
 
 `hydra_overrides` translates the keys we own (model, batch, loss, optimizer, placement) into
-dotted overrides of verl's `ppo_trainer` config; `verl.extra_overrides` appends anything else
-verbatim. `compose_verl_config` composes them with verl's Hydra config tree and runs verl's
+dotted overrides of verl's `ppo_trainer` config; `verl.extra_overrides` appends other keys that
+reach verl's workers verbatim (one that would do nothing, or that unified sets, is refused).
+`compose_verl_config` composes them with verl's Hydra config tree and runs verl's
 `validate_config`, so a run that starts is one verl accepts. A key verl no longer has (removed or
 renamed upstream) is a `ConfigError` naming the key, with the known replacement when there is one.
 `training_worker_config` builds the `TrainingWorkerConfig` of verl's engine workers from it, and
@@ -19,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backends.verl.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -31,6 +32,8 @@ from unified.config import TrainerConfig, backend_section
 from unified.errors import CapabilityError, ConfigError
 
 __all__ = [
+    "EFFECTIVE_PREFIXES",
+    "OWNED_KEYS",
     "RENAMED_KEYS",
     "VerlConfig",
     "compose_verl_config",
@@ -45,6 +48,48 @@ VERL_VERSION = "0.9.1"
 # verl keys that existed in earlier releases: what became of them.
 RENAMED_KEYS: dict[str, str] = {
     "use_legacy_worker_impl": "removed in verl 0.9 (the engine workers are the only workers)",
+}
+
+
+# What reaches verl's workers: the model, actor and reference sections and the log-prob passes.
+# The rest of verl's config (`algorithm`, `data`, `trainer`, `critic`, the rollout servers)
+# drives verl's own trainer, which unified replaces: an override there would do nothing.
+EFFECTIVE_PREFIXES = (
+    "actor_rollout_ref.model.",
+    "actor_rollout_ref.actor.",
+    "actor_rollout_ref.ref.",
+    "actor_rollout_ref.rollout.log_prob_",
+)
+
+# Keys under those that unified sets from its own config, and why (or what to set instead).
+_ACTOR = "actor_rollout_ref.actor."
+OWNED_KEYS: dict[str, str] = {
+    "actor_rollout_ref.model.path": "use model",
+    "actor_rollout_ref.model.override_config.attn_implementation": "use verl.attn_implementation",
+    _ACTOR + "ppo_mini_batch_size": "use trainer.batch_size (one update per step, whole batch)",
+    _ACTOR + "ppo_epochs": "the trainer makes one update per step",
+    _ACTOR + "shuffle": "the trainer makes one update per step",
+    _ACTOR + "data_loader_seed": "use trainer.seed",
+    _ACTOR + "ppo_micro_batch_size_per_gpu": "use verl.micro_batch_size",
+    _ACTOR + "loss_agg_mode": "use verl.loss_agg",
+    _ACTOR + "entropy_coeff": "use trainer.entropy_coef",
+    _ACTOR + "use_kl_loss": "use trainer.kl_coef",
+    _ACTOR + "kl_loss_coef": "use trainer.kl_coef",
+    _ACTOR + "optim.lr": "use trainer.lr (the trainer schedules it every step)",
+    _ACTOR + "optim.weight_decay": "use verl.weight_decay",
+    _ACTOR + "optim.betas": "use verl.betas",
+    _ACTOR + "optim.clip_grad": "use verl.max_grad_norm",
+    _ACTOR + "optim.total_training_steps": "use trainer.total_steps",
+    _ACTOR + "checkpoint.save_contents": "a resume needs model, optimizer and extra",
+    _ACTOR + "policy_loss.loss_mode": "use trainer.loss",
+    _ACTOR + "clip_ratio": "use trainer.clip_ratio",
+    _ACTOR + "clip_ratio_low": "use trainer.clip_ratio",
+    _ACTOR + "clip_ratio_high": "use trainer.clip_ratio",
+    _ACTOR + "clip_ratio_c": "use verl.dual_clip_ratio",
+    _ACTOR + "fsdp_config.mixed_precision": "use verl.param_dtype",
+    "actor_rollout_ref.ref.fsdp_config.mixed_precision": "use verl.param_dtype",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "use verl.micro_batch_size",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "use verl.micro_batch_size",
 }
 
 
@@ -89,8 +134,24 @@ class VerlConfig(BaseModel):
     )
     extra_overrides: list[str] = Field(
         default_factory=list,
-        description="Hydra overrides of verl's ppo_trainer config, applied last (key=value).",
+        description="Hydra overrides of verl's ppo_trainer config, applied last (key=value); "
+        "only keys that reach verl's workers (actor_rollout_ref.model/actor/ref).",
     )
+
+    @field_validator("extra_overrides")
+    @classmethod
+    def _only_effective(cls, overrides: list[str]) -> list[str]:
+        for item in overrides:
+            _refuse_renamed(item)
+            key = item.split("=", 1)[0].lstrip("+~")
+            if key in OWNED_KEYS:
+                raise ValueError(f"{key} is unified's to set: {OWNED_KEYS[key]}")
+            if not key.startswith(EFFECTIVE_PREFIXES):
+                raise ValueError(
+                    f"{key} would have no effect: unified runs the loop, advantages and "
+                    "sampling itself; only actor_rollout_ref.model/actor/ref keys reach verl"
+                )
+        return overrides
 
 
 def parse_verl_config(config: TrainerConfig) -> VerlConfig:
@@ -199,7 +260,7 @@ def compose_verl_config(overrides: list[str]) -> Any:
     """verl's `ppo_trainer` config with `overrides`, resolved and validated by verl itself."""
     import verl
     from hydra import compose, initialize_config_dir
-    from hydra.errors import ConfigCompositionException
+    from hydra.errors import ConfigCompositionException, InstantiationException
     from omegaconf import OmegaConf
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
@@ -224,8 +285,9 @@ def compose_verl_config(overrides: list[str]) -> Any:
             use_reference_policy=need_reference_policy(composed),
             use_critic=need_critic(composed),
         )
-    except (AssertionError, ValueError) as e:
-        raise ConfigError(f"verl's config validation failed: {e}") from e
+    except (AssertionError, ValueError, InstantiationException) as e:
+        # verl builds its config dataclasses through Hydra: their checks arrive wrapped.
+        raise ConfigError(f"verl's config validation failed: {_one_line(e)}") from e
     return composed
 
 

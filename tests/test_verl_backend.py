@@ -134,6 +134,14 @@ async def test_weight_sync_checkpoints_and_the_kl_reference_on_the_cpu_worker_gr
         assert max_gap(await backend.score(before), sampled(before)) < 1e-4, (
             "before training, the workers and the sampler hold the same weights"
         )
+        # 5 rows in micro-batches of 2 on 2 workers: 3 loss-free rows, one in each of the last
+        # three micro-batches; every row's scores still come back to it.
+        one = {"episodes": before[1].episodes[:1], "advantages": before[1].advantages[:1]}
+        odd = [before[0], before[1].model_copy(update=one)]
+        settings = backend.settings
+        backend.settings = settings.model_copy(update={"micro_batch_size": 2})
+        assert max_gap(await backend.score(odd), sampled(odd)) < 1e-4, "scores in row order"
+        backend.settings = settings
         reference_before = await backend.score(before, reference=True)
         assert max_gap(reference_before, sampled(before)) < 1e-4, (
             "the reference starts from the policy's initial weights"

@@ -11,6 +11,7 @@ from backends.verl.convert import (
     groups_to_batch,
     groups_to_rows,
     micro_batch_rows,
+    rows_to_batch,
     to_no_padding,
 )
 from unified.types import Episode, ModelOutput, Step, Trajectory, TrajectoryGroup
@@ -121,6 +122,20 @@ def test_rows_added_for_data_parallel_padding_carry_no_loss() -> None:
     assert len(batch) == 6 and batch.meta_info["real_rows"] == 4
     assert batch.batch["response_mask"][4:].sum() == 0, "padding rows are masked out"
     assert batch.batch["advantages"][4:].abs().sum() == 0
+
+
+def test_padding_rows_spread_over_micro_batches_so_none_is_padding_only() -> None:
+    """5 rows on 4 ranks at 2 rows a micro-batch: 3 loss-free rows, which at the batch's end
+    made the last rank's micro-batch padding only (verl's metrics then averaged in its zeros)."""
+    rows = groups_to_rows(single_turn_groups()) + groups_to_rows(single_turn_groups()[:1])[:1]
+    batch = rows_to_batch(rows, pad_token_id=PAD, multiple=8, micro_batch=2)
+    real_BR = batch.batch["response_mask"].sum(dim=1) > 0
+    assert real_BR.view(4, 2).any(dim=1).all(), f"a micro-batch of padding only: {real_BR}"
+    positions = batch.meta_info["real_positions"]
+    assert sorted(positions) == real_BR.nonzero().flatten().tolist()
+    for row, position in zip(rows, positions, strict=True):
+        n = len(row.response_ids)
+        assert batch.batch["responses"][position, :n].tolist() == row.response_ids, "in order"
 
 
 def test_no_padding_form_round_trips_through_verls_helpers() -> None:

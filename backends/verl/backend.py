@@ -208,7 +208,11 @@ class VerlBackend(BackendProtocol):
         """verl's padded batch of `rows` and its rows per micro-batch."""
         micro, multiple = self.group.batch_multiple(len(rows), self.settings.micro_batch_size)
         pad = self.tokenizer.pad_token_id or 0
-        batch = await asyncio.to_thread(rows_to_batch, rows, pad_token_id=pad, multiple=multiple)
+        batch = await asyncio.to_thread(
+            functools.partial(
+                rows_to_batch, rows, pad_token_id=pad, multiple=multiple, micro_batch=micro
+            )
+        )
         return batch, micro
 
     async def score(
@@ -223,7 +227,7 @@ class VerlBackend(BackendProtocol):
             "scoring", call, batch, temperature=self._temperature(rows), micro_batch=micro
         )
         mask_BR = batch.batch["response_mask"].bool()
-        return [logprobs_BR[b][mask_BR[b]].tolist() for b in range(len(rows))]
+        return [logprobs_BR[p][mask_BR[p]].tolist() for p in batch.meta_info["real_positions"]]
 
     # -- weight sync --------------------------------------------------------------------------
 

@@ -108,11 +108,16 @@ def _row(out: ModelOutput, *, advantage: float, reward: float, uid: str, task_id
     )
 
 
-def rows_to_batch(rows: Sequence[Row], *, pad_token_id: int, multiple: int = 1) -> DataProto:
+def rows_to_batch(
+    rows: Sequence[Row], *, pad_token_id: int, multiple: int = 1, micro_batch: int | None = None
+) -> DataProto:
     """Pad `rows` into verl's batch layout, with loss-free rows up to a multiple of `multiple`.
 
     verl splits the rows evenly over the data-parallel ranks and each rank's share into equal
-    micro-batches: `multiple` is (data-parallel size) x (rows per micro-batch).
+    micro-batches: `multiple` is (data-parallel size) x (rows per micro-batch). Given
+    `micro_batch`, the loss-free rows are spread one to a micro-batch from the last, so none is
+    padding only (verl averages per-micro-batch metrics) unless micro-batches are one row;
+    `meta_info["real_positions"]` says where each of `rows` went.
     """
     if not rows:
         raise BackendError("no trainable rows: every step of these groups has an empty completion")
@@ -164,8 +169,24 @@ def rows_to_batch(rows: Sequence[Row], *, pad_token_id: int, multiple: int = 1) 
     if pad_size:
         for key in ("response_mask", "advantages", "token_level_rewards"):
             padded.batch[key][B:] = 0
+    order = _spread_padding(B, len(padded), micro_batch or len(padded))
+    if order != list(range(len(padded))):
+        padded.reorder(torch.tensor(order))
     padded.meta_info["real_rows"] = B
+    padded.meta_info["real_positions"] = sorted(range(len(order)), key=order.__getitem__)[:B]
     return padded
+
+
+def _spread_padding(real: int, total: int, micro_batch: int) -> list[int]:
+    """The row order (new position -> old row) that moves the loss-free rows `real..total-1` to
+    the ends of the micro-batches of `micro_batch` rows, one each from the last, then again."""
+    blocks = total // micro_batch
+    pad_at = set()
+    for i in range(total - real):
+        block, depth = blocks - 1 - i % blocks, i // blocks
+        pad_at.add(block * micro_batch + micro_batch - 1 - depth)
+    pads, reals = iter(range(real, total)), iter(range(real))
+    return [next(pads) if position in pad_at else next(reals) for position in range(total)]
 
 
 def groups_to_batch(

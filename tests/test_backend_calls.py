@@ -10,7 +10,10 @@ import threading
 
 import pytest
 
-from unified.backend_calls import DaemonWorker
+from tests.bandit import BanditBackend
+from unified.backend_calls import BackendCalls, DaemonWorker, run_status
+from unified.config import TrainerSection
+from unified.errors import TrainingInterrupted
 
 STUCK_CALL = """
 import asyncio, threading
@@ -53,3 +56,28 @@ def test_a_call_stuck_past_its_deadline_does_not_hold_the_process_exit(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0 and done.stdout.strip() == "abandoned", done.stderr
+
+
+def test_the_status_a_command_reports_names_the_first_real_cause() -> None:
+    assert run_status(None) == ("success", None)
+    nested = ExceptionGroup("tasks", [ExceptionGroup("inner", [ValueError("bad\nmore")])])
+    assert run_status(nested) == ("errored", "ValueError: bad"), "one line, not the wrapper"
+    stopped = TrainingInterrupted("stopped after step 3", signal_number=2)
+    assert run_status(stopped)[0] == "interrupted"
+    assert run_status(BaseExceptionGroup("tasks", [asyncio.CancelledError()]))[0] == "interrupted"
+
+
+class OutcomeFails(BanditBackend):
+    shut_down = False
+
+    def set_outcome(self, status: str, detail: str | None = None) -> None:
+        raise RuntimeError("the hook is broken")
+
+    async def shutdown(self) -> None:
+        self.shut_down = True
+
+
+async def test_a_failing_outcome_hook_neither_fails_the_command_nor_skips_the_shutdown() -> None:
+    backend = OutcomeFails()
+    await BackendCalls(backend, TrainerSection()).shutdown(None)
+    assert backend.shut_down

@@ -108,6 +108,14 @@ def test_verls_own_validation_runs(model_dir: Path) -> None:
     assert "\n" not in str(caught.value) and "ppo_micro_batch_size" in str(caught.value)
 
 
+def test_a_check_of_verls_model_config_that_fails_is_one_line(model_dir: Path) -> None:
+    overrides = ["actor_rollout_ref.model.tokenizer_path=/no/such/tokenizer"]
+    config = composed(run_config(verl={"extra_overrides": overrides}), model_dir)
+    with pytest.raises(ConfigError, match="verl's config validation failed") as caught:
+        training_worker_config(config)
+    assert "\n" not in str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("override", "says"),
     [
@@ -118,6 +126,8 @@ def test_verls_own_validation_runs(model_dir: Path) -> None:
             "+actor_rollout_ref.actor.optim.lr=1e-3",
             r"optim\.lr is unified's to set: use trainer\.lr",
         ),
+        ("actor_rollout_ref.actor.optim.lr_warmup_steps=5", r"use trainer\.lr_schedule"),
+        ("actor_rollout_ref.actor.optim={lr:0.1}", r"optim would replace keys unified sets"),
     ],
 )
 def test_an_override_the_workers_never_see_or_unified_sets_is_refused(

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import logging
 import math
 import numbers
 import queue
@@ -23,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
 from unified.config import TrainerSection
-from unified.errors import BackendReplyError, StallError, TrainingInterrupted
+from unified.errors import BackendReplyError, StallError, TrainingInterrupted, first_cause
 from unified.protocol import BackendProtocol, RunStatus
 from unified.retry import NO_RETRY, retrying
 
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 CallName = Literal[
     "setup",
     "forward_backward",
@@ -110,19 +112,23 @@ class BackendCalls:
 
     async def shutdown(self, error: BaseException | None) -> None:
         """Tell the backend how the command ended (`error`, None for success), then shut it
-        down within the deadline. A backend whose `set_outcome` fails is still shut down."""
+        down within the deadline. The outcome is information only: a hook that fails is logged."""
         try:
             self.backend.set_outcome(*run_status(error))
-        finally:
-            await self.call("shutdown", self.backend.shutdown)
+        except Exception:
+            log.exception("backend %r set_outcome failed; shutting it down", self.backend.name)
+        await self.call("shutdown", self.backend.shutdown)
 
 
 def run_status(error: BaseException | None) -> tuple[RunStatus, str | None]:
     """The status a command ending with `error` reports, and a one-line detail."""
     if error is None:
         return "success", None
+    error = first_cause(error)
     detail = f"{type(error).__name__}: {error}".splitlines()[0][:300]
     stopped = (TrainingInterrupted, KeyboardInterrupt, asyncio.CancelledError)
+    if isinstance(error, BaseExceptionGroup):  # cancellations only: `first_cause` found no other
+        return "interrupted", detail
     return ("interrupted" if isinstance(error, stopped) else "errored"), detail
 
 

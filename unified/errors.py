@@ -6,6 +6,8 @@ line on stderr and exit code 2. Messages name the thing, the value and the fix.
 
 from __future__ import annotations
 
+import asyncio
+
 __all__ = [
     "BackendError",
     "BackendReplyError",
@@ -20,6 +22,7 @@ __all__ = [
     "UsageError",
     "WorkerError",
     "WorkflowError",
+    "first_cause",
 ]
 
 
@@ -87,3 +90,17 @@ class TrainingInterrupted(UnifiedError):
 
 class WorkerError(UnifiedError):
     """Rollout workers cannot start, or every one of them died and none may be restarted."""
+
+
+def first_cause(error: BaseException) -> BaseException:
+    """The original exception inside (nested) task-group errors, not the group wrapper: the
+    first that is not a cancellation (the group itself if all are), or `error` if no group."""
+    if not isinstance(error, BaseExceptionGroup):
+        return error
+    inner: tuple[BaseException, ...] = error.exceptions
+    for exc in inner:
+        if isinstance(exc, BaseExceptionGroup):
+            return first_cause(exc)
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return error

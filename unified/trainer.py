@@ -27,7 +27,7 @@ from unified.backend_calls import BackendCalls, DaemonExecutor
 from unified.checkpoint import RunDirectory, TrainerState
 from unified.config import TrainerConfig, load_config
 from unified.data import TaskSampler, check_fields, load_eval_tasks, load_tasks
-from unified.errors import TrainingInterrupted, TrainingStopped
+from unified.errors import TrainingInterrupted, TrainingStopped, first_cause
 from unified.loop import TrainingLoop
 from unified.metrics import metrics_for
 from unified.model_provider import model_provider, resolve_model
@@ -162,7 +162,7 @@ class UnifiedTrainer:
             if loop.stop_signal is not None and not loop.finished:
                 error = await asyncio.to_thread(_interrupted, loop, self.run)
         except BaseExceptionGroup as group:
-            error = _first_cause(group)
+            error = first_cause(group)
         except BaseException as e:
             error = e
         finally:
@@ -231,13 +231,3 @@ def _signals_call(handler: Callable[[int], None]) -> Iterator[None]:
             loop.remove_signal_handler(signal_number)
             if previous is not None:  # None: not set from Python; the default is back already
                 signal.signal(signal_number, previous)
-
-
-def _first_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The original exception inside (nested) task-group errors, not the group wrapper."""
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            return _first_cause(exc)
-        if not isinstance(exc, asyncio.CancelledError):
-            return exc
-    return group

@@ -126,7 +126,7 @@ class TinkerBackend(BackendProtocol):
         service = self._service
         # The KL reference is the base model: a LoRA client that is never trained (its adapters
         # start at zero) scores a whole batch in one `forward`, not a request per sequence.
-        # The first call of a ServiceClient blocks while it opens the session.
+        # The first call of a ServiceClient blocks while it opens the session: `blocking=True`.
         self.reference: tinker.TrainingClient | None = None
         if config.trainer.kl_coef > 0:
             self.reference = await self._remote(
@@ -161,6 +161,8 @@ class TinkerBackend(BackendProtocol):
             raise BackendError(
                 "tinker: no policy client: the trainer said a checkpoint would be loaded after "
                 "setup, and none was"
+                if self._load_next
+                else "tinker: no policy client: setup() has not run, or failed"
             )
         return self._training
 
@@ -412,7 +414,9 @@ class TinkerBackend(BackendProtocol):
         training = await self._remote(
             "create_training_client_from_state_with_optimizer",
             lambda: service.create_training_client_from_state_with_optimizer(record["state_path"]),
+            blocking=True,  # on a resume without a KL reference, the session's first call
         )
+        self._load_next = False
         # The sampler restarts from the restored weights, at the version the run had synced.
         await self._use_policy(training, version=int(record["sampler_version"]))
 

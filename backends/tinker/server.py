@@ -128,12 +128,12 @@ def create_app(
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request) -> Response:
         try:  # the SDK sends {"reason": {"type": status}, "detail": ...}; be lenient
-            reason = json.loads(await request.body() or b"{}").get("reason") or {}
-            status = str(reason.get("type") or "unknown")
-        except (ValueError, AttributeError):
-            status = "unknown"
+            body = json.loads(await request.body() or b"{}")
+            status, detail = str(body["reason"]["type"]), body.get("detail")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            status, detail = "unknown", None
         service.finish_session(session_id, status)
-        log.info("session %s finished: %s", session_id, status)
+        log.info("session %s finished: %s%s", session_id, status, f" ({detail})" if detail else "")
         return Response(status_code=200)
 
     @app.post("/api/v1/create_model")

@@ -16,7 +16,9 @@ composed config records them; unified's coordinator, not verl's trainer, enforce
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -80,6 +82,21 @@ OWNED_KEYS: dict[str, str] = {
     _ACTOR + "optim.betas": "use verl.betas",
     _ACTOR + "optim.clip_grad": "use verl.max_grad_norm",
     _ACTOR + "optim.total_training_steps": "use trainer.total_steps",
+    **{
+        _ACTOR + f"optim.{key}": "use trainer.lr_schedule and trainer.warmup_steps (the trainer "
+        "sets the lr every step; verl's scheduler never steps)"
+        for key in (
+            "lr_warmup_steps",
+            "lr_warmup_steps_ratio",
+            "lr_scheduler_type",
+            "min_lr_ratio",
+            "num_cycles",
+            "warmup_style",
+        )
+    },
+    _ACTOR + "strategy": "use verl.strategy",
+    _ACTOR + "kl_loss_type": "every backend's KL term is the same estimator (k3, low_var_kl)",
+    _ACTOR + "calculate_entropy": "the trainer asks for entropy with each call",
     _ACTOR + "checkpoint.save_contents": "a resume needs model, optimizer and extra",
     _ACTOR + "policy_loss.loss_mode": "use trainer.loss",
     _ACTOR + "clip_ratio": "use trainer.clip_ratio",
@@ -135,7 +152,8 @@ class VerlConfig(BaseModel):
     extra_overrides: list[str] = Field(
         default_factory=list,
         description="Hydra overrides of verl's ppo_trainer config, applied last (key=value); "
-        "only keys that reach verl's workers (actor_rollout_ref.model/actor/ref).",
+        "only keys that reach verl's workers (actor_rollout_ref.model/actor/ref, "
+        "actor_rollout_ref.rollout.log_prob_*).",
     )
 
     @field_validator("extra_overrides")
@@ -146,10 +164,17 @@ class VerlConfig(BaseModel):
             key = item.split("=", 1)[0].lstrip("+~")
             if key in OWNED_KEYS:
                 raise ValueError(f"{key} is unified's to set: {OWNED_KEYS[key]}")
+            inside = [owned for owned in OWNED_KEYS if owned.startswith(key + ".")]
+            if inside:
+                raise ValueError(
+                    f"{key} would replace keys unified sets ({inside[0]}, ...); override the "
+                    "keys inside it one by one"
+                )
             if not key.startswith(EFFECTIVE_PREFIXES):
                 raise ValueError(
                     f"{key} would have no effect: unified runs the loop, advantages and "
-                    "sampling itself; only actor_rollout_ref.model/actor/ref keys reach verl"
+                    "sampling itself; only actor_rollout_ref.model/actor/ref and "
+                    "rollout.log_prob_* keys reach verl's workers"
                 )
         return overrides
 
@@ -260,7 +285,7 @@ def compose_verl_config(overrides: list[str]) -> Any:
     """verl's `ppo_trainer` config with `overrides`, resolved and validated by verl itself."""
     import verl
     from hydra import compose, initialize_config_dir
-    from hydra.errors import ConfigCompositionException, InstantiationException
+    from hydra.errors import ConfigCompositionException
     from omegaconf import OmegaConf
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
@@ -279,16 +304,25 @@ def compose_verl_config(overrides: list[str]) -> Any:
     except ConfigCompositionException as e:
         raise ConfigError(f"verl {VERL_VERSION} rejects an override: {_one_line(e)}") from e
     OmegaConf.resolve(composed)
-    try:
+    with verl_checks():
         validate_config(
             composed,
             use_reference_policy=need_reference_policy(composed),
             use_critic=need_critic(composed),
         )
-    except (AssertionError, ValueError, InstantiationException) as e:
-        # verl builds its config dataclasses through Hydra: their checks arrive wrapped.
-        raise ConfigError(f"verl's config validation failed: {_one_line(e)}") from e
     return composed
+
+
+@contextlib.contextmanager
+def verl_checks() -> Iterator[None]:
+    """verl's own checks of a config (its dataclasses' and `validate_config`'s) as one-line
+    `ConfigError`s; verl builds its dataclasses through Hydra, so their checks arrive wrapped."""
+    from hydra.errors import InstantiationException
+
+    try:
+        yield
+    except (AssertionError, ValueError, InstantiationException) as e:
+        raise ConfigError(f"verl's config validation failed: {_one_line(e)}") from e
 
 
 def _one_line(error: Exception) -> str:
@@ -311,8 +345,9 @@ def training_worker_config(composed: Any) -> tuple[Any, Any]:
     from verl.utils.config import omega_conf_to_dataclass
 
     section = composed.actor_rollout_ref
-    model_config = omega_conf_to_dataclass(section.model)
-    actor_config = omega_conf_to_dataclass(section.actor)
+    with verl_checks():
+        model_config = omega_conf_to_dataclass(section.model)
+        actor_config = omega_conf_to_dataclass(section.actor)
     actor_config.model_config = model_config
     worker_config = _worker_config(
         model_config,
@@ -349,11 +384,13 @@ def reference_worker_config(composed: Any) -> Any | None:
         ref.ppo_micro_batch_size_per_gpu = ref.pop("log_prob_micro_batch_size_per_gpu", None)
         ref.use_dynamic_bsz = ref.pop("log_prob_use_dynamic_bsz", False)
         ref.ppo_max_token_len_per_gpu = ref.pop("log_prob_max_token_len_per_gpu", None)
-    model_config = deepcopy(omega_conf_to_dataclass(section.model))
+    with verl_checks():
+        model_config = deepcopy(omega_conf_to_dataclass(section.model))
+        ref_config = omega_conf_to_dataclass(ref)
     model_config.mtp = MtpConfig(enable=False)
     return _worker_config(
         model_config,
-        omega_conf_to_dataclass(ref),
+        ref_config,
         dynamic_bsz=ref.use_dynamic_bsz,
         infer_max_tokens=ref.ppo_max_token_len_per_gpu,
         infer_micro_batch=ref.ppo_micro_batch_size_per_gpu,

@@ -106,6 +106,7 @@ def attempts(episodes: list[Episode], tasks: list[Task]) -> dict[str, Any]:
     hit_at: Counter[int] = Counter()
     second, repeated = 0, 0
     shapes: Counter[str] = Counter()
+    sum_solvable: Counter[str] = Counter()  # the first attempt where the sum hits the target
     for episode, task in zip(episodes, tasks, strict=True):
         tried: list[str] = []
         for trajectory in episode.trajectories:
@@ -117,6 +118,8 @@ def attempts(episodes: list[Episode], tasks: list[Task]) -> dict[str, Any]:
                     tried.append(str(calls[0].arguments.get("expr", "")))
                     shapes[_shape(tried[-1], task.data["numbers"])] += 1
         hits = [countdown_reward(expr, task.data)[1] for expr in tried]
+        if tried and sum(task.data["numbers"]) == task.data["target"]:
+            sum_solvable[_against_the_sum(tried[0], task.data["numbers"])] += 1
         if any(hits):
             hit_at[hits.index(True) + 1] += 1
         if len(tried) >= 2:
@@ -127,7 +130,17 @@ def attempts(episodes: list[Episode], tasks: list[Task]) -> dict[str, Any]:
         "episodes_with_a_second_attempt": second,
         "second_repeats_first": repeated,
         "checked_shapes": shapes.most_common(5),
+        "first_attempt_where_the_sum_hits": dict(sum_solvable),
     }
+
+
+def _against_the_sum(expr: str, numbers: list[int]) -> str:
+    """What a first attempt is on a problem the numbers' sum solves: the sum, a sum with a
+    number miscopied, or another expression."""
+    if not re.fullmatch(r"\d+\+\d+\+\d+", expr):
+        return "another expression"
+    written = sorted(int(n) for n in expr.split("+"))
+    return "the sum" if written == sorted(numbers) else "a sum, a number miscopied"
 
 
 def _shape(expr: str, numbers: list[int]) -> str:
@@ -199,6 +212,7 @@ def main() -> None:
         print(f"  the second attempt repeated the first in {tries['second_repeats_first']} of "
               f"{tries['episodes_with_a_second_attempt']} episodes with one")  # fmt: skip
         print(f"  checked expressions by shape: {tries['checked_shapes']}")
+        print(f"  first attempts where the sum hits: {tries['first_attempt_where_the_sum_hits']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

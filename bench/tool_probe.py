@@ -10,7 +10,8 @@ default one; `--model` probes another model directory, `--checkpoint` a run's ch
 backend directory, loaded over the model), and `--set` passes config overrides (another
 workflow, say). `--greedy` runs the eval problems at the eval settings instead, as the run's
 evaluations do, and also prints which attempt hit, how often the second check repeated the
-first, and the shapes of the checked expressions (each of the task's numbers written `n`).
+first, the shapes of the checked expressions (each of the task's numbers written `n`), and what
+the first attempt was on the problems the numbers' sum solves (the sum, or a number miscopied).
 
     python bench/tool_probe.py --problems 512
     python bench/tool_probe.py --steps 100 --lr 2e-3 --into .cache/tool-warmstart-100-2e-3

@@ -22,6 +22,7 @@ from unified import UnifiedTrainer
 from unified.cli import main
 from unified.config import load_config
 from unified.errors import BackendError, UsageError
+from unified.evaluation import run_eval
 from unified.protocol import RolloutEngine
 from unified.types import Episode, ModelOutput, Step, Task, Trajectory, TrajectoryGroup
 
@@ -154,11 +155,12 @@ def test_without_url_or_key_the_backend_trains_on_its_own_local_server_and_resum
     assert resumed.steps == 4 and steps == [1, 2, 3, 4], f"step count not continuous: {steps}"
 
 
-def test_a_resume_makes_the_policy_client_from_saved_state_only(
+def test_a_resume_or_eval_makes_the_policy_client_from_saved_state_only(
     server: LocalServer, tinker_config: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Tinker cannot drop a client: a resume that first made a fresh policy client and then
-    one from the checkpoint would keep an untrained model on the service all session."""
+    """Tinker cannot drop a client: a resume (or `unified eval` of a checkpoint) that first made
+    a fresh policy client and then one from the checkpoint would keep an untrained model on the
+    service all session."""
     made: list[str] = []
     create_model, load_weights = server.service.create_model, server.service.load_weights
 
@@ -177,7 +179,15 @@ def test_a_resume_makes_the_policy_client_from_saved_state_only(
     fresh = made.count("fresh")  # the policy's, and the KL reference's if the run has one
     made.clear()
     resumed = {**config, "resume": True, "trainer": {**config["trainer"], "total_steps": 2}}
-    assert UnifiedTrainer(resumed, train_tasks=tasks()).fit().steps == 2
+    run_dir = UnifiedTrainer(resumed, train_tasks=tasks()).fit().run_dir
+    assert made.count("from state") == 1 and made.count("fresh") == fresh - 1, made
+    made.clear()
+    evaluated = {
+        **config,
+        "data": {"eval": {"generator": "tests.test_tinker_backend:tasks", "n": 4}},
+    }
+    metrics = asyncio.run(run_eval(load_config(evaluated), checkpoint=run_dir))
+    assert metrics["eval/reward"] >= 0.0
     assert made.count("from state") == 1 and made.count("fresh") == fresh - 1, made
 
 

@@ -64,12 +64,18 @@ class WarmStartRecipe(BaseModel):
 
 
 TOOL_WARMSTART_RECIPE = WarmStartRecipe(
-    base_model="examples.countdown.prepare:warmstart_model", steps=300, lr=3e-3, tool_share=0.5
+    base_model="examples.countdown.prepare:warmstart_model",
+    steps=300,
+    lr=3e-3,
+    tool_share=0.5,
+    in_order=1.0,
 )
 """The tool agent's: the single-turn warm start (which copies the numbers reliably), then 300
 steps checking half the problems with `calc` (up to two checks, then an answer). 300 steps at
 3e-3 keep 90% of calls well-formed when sampled at temperature 1, and direct answers as good as
-the single-turn warm start's; 100 at 2e-3 garbled most calls (docs/benchmarks.md)."""
+the single-turn warm start's; 100 at 2e-3 garbled most calls. Its expressions keep the prompt's
+order of the numbers (`in_order=1.0`): RL then miscopies fewer numbers into its checks (a `1`
+written `11`) and gains more in 250 steps (docs/benchmarks.md, "Numbers in the prompt's order")."""
 
 
 def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = None) -> Path:

@@ -173,7 +173,7 @@ def rows_to_batch(
     if order != list(range(len(padded))):
         padded.reorder(torch.tensor(order))
     padded.meta_info["real_rows"] = B
-    padded.meta_info["real_positions"] = sorted(range(len(order)), key=order.__getitem__)[:B]
+    padded.meta_info["real_positions"] = [p for p, row in enumerate(order) if row < B]
     return padded
 
 

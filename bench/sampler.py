@@ -9,6 +9,7 @@ times the prefill of a batch mixing first turns with later turns of tool convers
 agent's batches do), in groups of similar length against one group padded to the longest.
 
     python bench/sampler.py --json runs/bench-sampler.json
+    python bench/sampler.py --model <hf-dir> --device cuda --dtype bf16   (a GPU: see bench/gpu/)
 """
 
 from __future__ import annotations
@@ -42,11 +43,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument(
+        "--bandwidth-gbs", type=float, help="memory bandwidth, GB/s: also print the decode bound"
+    )
+    parser.add_argument(
+        "--no-batching", action="store_true", help="skip the concurrent-vs-one-at-a-time figure"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible; use --device cpu")
     torch.manual_seed(0)
-    model, tokenizer = load_policy(args.model)
-    model.eval()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model, tokenizer = load_policy(args.model, dtype=dtype)
+    model.to(args.device).eval()
     messages = [[{"role": "user", "content": prompt(t.data)}] for t in make_tasks(args.batch)]
     prompts = [chat_prompt_ids(tokenizer, m) for m in messages]
     eos = tokenizer.eos_token_id
@@ -69,6 +81,16 @@ def main() -> None:
     mask = (
         torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]
     ).long()
+    ids, mask = ids.to(args.device), mask.to(args.device)
+
+    def timed(fn: Any) -> tuple[int, float]:
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        tokens = fn()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        return tokens, time.perf_counter() - started
 
     def hf() -> int:
         with torch.no_grad():
@@ -89,29 +111,41 @@ def main() -> None:
         return int(((ended == 0) | ((ended == 1) & (new == eos))).sum())
 
     rates: dict[str, list[float]] = {"local": [], "hf_generate": []}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds + 1):  # the first round warms up (kernels, allocator)
         for name, fn in (("local", ours), ("hf_generate", hf)):
-            started = time.perf_counter()
-            tokens = fn()
-            rates[name].append(tokens / (time.perf_counter() - started))
+            tokens, seconds = timed(fn)
+            if round_:
+                rates[name].append(tokens / seconds)
     local, hf_rate = statistics.median(rates["local"]), statistics.median(rates["hf_generate"])
-    batching = asyncio.run(_batching(args, messages))
+    batching = None if args.no_batching else asyncio.run(_batching(args, messages))
     prefill = _mixed_prefill(model, tokenizer, messages, args.rounds)
+    # Each decode step reads every weight once: the batch's tokens/s cannot pass this.
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bound = args.bandwidth_gbs * 1e9 / weight_bytes * args.batch if args.bandwidth_gbs else None
     report = {
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "tokens_per_s": {"local": local, "hf_generate": hf_rate},
         "speedup_vs_generate": local / hf_rate,
+        "weight_bytes": weight_bytes,
+        "bandwidth_bound_tokens_per_s": bound,
         "batching": batching,
         "mixed_prefill": prefill,
     }
     print(f"local sampler   {local:8.0f} tokens/s (median of {args.rounds})")
     print(f"model.generate  {hf_rate:8.0f} tokens/s")
     print(f"speedup: {local / hf_rate:.2f}x")
-    print(
-        f"{args.batch} concurrent chat calls: {batching['concurrent_s']:.2f} s in "
-        f"{batching['batches']} batch(es); one at a time: {batching['sequential_s']:.2f} s "
-        f"({batching['sequential_s'] / batching['concurrent_s']:.1f}x)"
-    )
+    if bound is not None:
+        print(
+            f"bandwidth bound ({weight_bytes / 2**30:.2f} GiB of weights read per decode step, "
+            f"{args.bandwidth_gbs:.0f} GB/s, batch {args.batch}): {bound:.0f} tokens/s; "
+            f"local {local / bound:.1%}, model.generate {hf_rate / bound:.1%} of it"
+        )
+    if batching is not None:
+        print(
+            f"{args.batch} concurrent chat calls: {batching['concurrent_s']:.2f} s in "
+            f"{batching['batches']} batch(es); one at a time: {batching['sequential_s']:.2f} s "
+            f"({batching['sequential_s'] / batching['concurrent_s']:.1f}x)"
+        )
     grouped, one = prefill["grouped_s"], prefill["one_group_s"]
     print(
         f"prefill of {args.batch} prompts of {prefill['min_len']:.0f}-{prefill['max_len']:.0f} "
@@ -121,6 +155,9 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
+
+
+_own = decoding.group_overhead
 
 
 def _mixed_prefill(
@@ -134,16 +171,18 @@ def _mixed_prefill(
     one_group = len(prompts) * max(map(len, prompts))  # more than any split saves
     times: dict[str, list[float]] = {"grouped": [], "one_group": []}
     for _ in range(rounds + 1):  # the first round warms up
-        for name, overhead in (("grouped", decoding.GROUP_OVERHEAD), ("one_group", one_group)):
-            with mock.patch.object(decoding, "GROUP_OVERHEAD", overhead):
+        for name, overhead in (("grouped", None), ("one_group", one_group)):
+            # `None`: the sampler's own choice on this device.
+            with mock.patch.object(decoding, "group_overhead", lambda d, o=overhead: o or _own(d)):
                 started = time.perf_counter()
                 generate_batch(model, tokenizer, requests, version=0)  # type: ignore[arg-type]
                 times[name].append(time.perf_counter() - started)
     lengths = [len(p) for p in prompts]
+    device = next(model.parameters()).device
     return {
         "grouped_s": statistics.median(times["grouped"][1:]),
         "one_group_s": statistics.median(times["one_group"][1:]),
-        "groups": float(len(decoding.prefill_groups(lengths))),
+        "groups": float(len(decoding.prefill_groups(lengths, decoding.group_overhead(device)))),
         "min_len": float(min(lengths)),
         "max_len": float(max(lengths)),
     }
@@ -152,7 +191,9 @@ def _mixed_prefill(
 async def _batching(
     args: argparse.Namespace, messages: list[list[dict[str, str]]]
 ) -> dict[str, float]:
-    config = load_config({"workflow": "unused:unused", "model": args.model})
+    config = load_config(
+        {"workflow": "unused:unused", "model": args.model, "local": {"device": args.device}}
+    )
     backend = LocalBackend()
     await backend.setup(config)
     engine = backend.rollout_engine()

@@ -1,7 +1,9 @@
 """verl on a GPU: step time, weight-sync time and peak memory of `VerlBackend` on a ~0.5B Qwen2.
 
 The backend is the project's own `VerlBackend`: verl's FSDP2 `TrainingWorker` on a Ray group of
-`--workers` processes, the local sampler in this process on the same device. Each step does what
+`--workers` processes, the local sampler in this process on the same device. With
+`--backend local` the same steps run on `LocalBackend` (fp32 AdamW and the sampler in this
+process, no weight transfer), the figure verl's is read against. Each step does what
 the sync loop does: sample `--batch-size` countdown groups of `--group-size` rollouts, then
 `forward_backward` + `optim_step` (with `--kl-coef > 0`, the frozen reference scores the batch
 first, as in the countdown recipe), then `on_policy_updated` (the loop's `time/sync`). The first
@@ -16,6 +18,7 @@ its end token, so every response runs to `--max-tokens`: each step has the same 
 
     python bench/verl_gpu.py --json $OUT/verl_gpu.json                        (a CUDA machine)
     python bench/verl_gpu.py --device cpu --tiny --json runs/verl_gpu_cpu.json  (same path, CPU)
+    python bench/verl_gpu.py --backend local --json $OUT/local_gpu.json       (the local backend)
 """
 
 from __future__ import annotations
@@ -108,13 +111,26 @@ def process_memory(_worker: object = None) -> dict[str, float | None]:
 
 
 def run_config(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> Any:
-    """The run's `TrainerConfig`: countdown-shaped, on the verl backend at `args.device`."""
+    """The run's `TrainerConfig`: countdown-shaped, on `args.backend` at `args.device`."""
     from unified.config import load_config
 
+    verl = {
+        "device": args.device,
+        "num_workers": args.workers,
+        "micro_batch_size": args.micro_batch_size,
+        "param_dtype": args.param_dtype,
+        "max_batch": args.batch_size * args.group_size,
+        "call_timeout_s": args.timeout_s,
+    }
+    local = {
+        "device": args.device,
+        "micro_batch": args.micro_batch_size,
+        "max_batch": args.batch_size * args.group_size,
+    }
     return load_config(
         {
-            "name": "bench-verl-gpu",
-            "backend": "verl",
+            "name": f"bench-{args.backend}-gpu",
+            "backend": args.backend,
             "mode": "sync",
             "workflow": "examples.countdown.workflow:CountdownWorkflow",
             "model": str(model_dir),
@@ -131,14 +147,7 @@ def run_config(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> Any:
                 "save_every": 0,
             },
             "sampling": {"train": {"temperature": 1.0, "max_tokens": args.max_tokens}},
-            "verl": {
-                "device": args.device,
-                "num_workers": args.workers,
-                "micro_batch_size": args.micro_batch_size,
-                "param_dtype": args.param_dtype,
-                "max_batch": args.batch_size * args.group_size,
-                "call_timeout_s": args.timeout_s,
-            },
+            args.backend: verl if args.backend == "verl" else local,
             "logging": {"run_dir": str(run_dir), "console": False},
         }
     )
@@ -188,11 +197,17 @@ async def sample_groups(backend: Any, args: argparse.Namespace, step: int) -> tu
 
 async def measure(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict[str, Any]:
     """Set the backend up, run warm-up and timed steps, read every process's peak memory."""
-    import ray
+    backend: Any
+    if args.backend == "verl":
+        from backends.verl.backend import VerlBackend
 
-    from backends.verl.backend import VerlBackend
+        backend = VerlBackend()
+    else:
+        from backends.local.backend import LocalBackend
 
-    backend = VerlBackend()
+        backend = LocalBackend()
+    sync: dict[str, Any] | None = None
+    worker_memory: list[dict[str, float | None]] = []
     steps: list[dict[str, float]] = []
     try:
         started = time.perf_counter()
@@ -223,20 +238,24 @@ async def measure(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> d
             )
             if step >= args.warmup:
                 steps.append(timing)
-        sync = await sync_breakdown(backend, args.timeout_s, version=args.warmup + args.steps + 1)
-        workers = backend.group.group.workers
-        refs = [handle.__ray_call__.remote(process_memory) for handle in workers]
-        worker_memory = await asyncio.to_thread(ray.get, refs, timeout=args.timeout_s)
+        if args.backend == "verl":
+            import ray
+
+            version = args.warmup + args.steps + 1
+            sync = await sync_breakdown(backend, args.timeout_s, version=version)
+            workers = backend.group.group.workers
+            refs = [handle.__ray_call__.remote(process_memory) for handle in workers]
+            worker_memory = await asyncio.to_thread(ray.get, refs, timeout=args.timeout_s)
     finally:
         await backend.shutdown()
     return {"setup_s": setup_s, "steps": steps, "sync": sync, "workers_memory": worker_memory}
 
 
-def export_in_worker(worker: Any) -> float:
-    """Seconds a worker takes to gather and copy out the full weights (run through Ray's
-    `__ray_call__` on every worker at once: the gather is collective), none of it sent back."""
+def export_in_worker(worker: Any, dtype: str | None) -> float:
+    """Seconds a worker takes to gather and copy out the full weights in `dtype` (run through
+    Ray's `__ray_call__` on every worker at once: the gather is collective), none sent back."""
     started = time.perf_counter()
-    worker.export_weights()
+    worker.export_weights(dtype=dtype)
     return time.perf_counter() - started
 
 
@@ -244,17 +263,25 @@ async def sync_breakdown(backend: Any, timeout_s: float, *, version: int) -> dic
     """One more weight sync in its parts, as `on_policy_updated` makes it: the workers gather the
     weights, Ray brings them to this process, the sampler loads them."""
     import ray
+    import torch
 
     workers = backend.group.group.workers
     async with asyncio.timeout(timeout_s):
-        refs = [handle.__ray_call__.remote(export_in_worker) for handle in workers]
+        dtype = str(backend.sync_dtype).removeprefix("torch.") if backend.sync_dtype else None
+        refs = [handle.__ray_call__.remote(export_in_worker, dtype) for handle in workers]
         in_worker_s = max(await asyncio.to_thread(ray.get, refs, timeout=timeout_s))
         started = time.perf_counter()
-        weights = await asyncio.to_thread(backend.group.export_weights, backend.tied)
+        export = backend.group.export_weights
+        weights = await asyncio.to_thread(export, backend.tied, backend.sync_dtype)
         exported = time.perf_counter()
         await asyncio.to_thread(backend.sampler.load_weights, weights, version)
         loaded = time.perf_counter()
+        # What was sent is the master weights, cast to the sync's dtype, to the bit.
+        master = await asyncio.to_thread(export, backend.tied)
+    cast = backend.sync_dtype
+    exact = all(torch.equal(w, master[n].to(cast or master[n].dtype)) for n, w in weights.items())
     return {
+        "sent_equals_master": exact,
         "gather_in_worker_s": in_worker_s,
         "export_s": exported - started,
         "load_s": loaded - exported,
@@ -287,7 +314,8 @@ def report(figures: dict[str, Any]) -> None:
     summary = figures["summary"]
     median = summary["median"]
     print(
-        f"model {figures['parameters'] / 1e6:.1f}M parameters on {figures['device']} "
+        f"{figures['backend']}: model {figures['parameters'] / 1e6:.1f}M parameters on "
+        f"{figures['device']} "
         f"({figures['device_name']}); {figures['workers']} worker(s); "
         f"{figures['rollouts_per_step']} rollouts x {figures['max_tokens']} tokens per step"
     )
@@ -305,11 +333,13 @@ def report(figures: dict[str, Any]) -> None:
         f"{summary['tokens_per_s']:.0f} tokens/s"
     )
     sync = figures["sync"]
-    print(
-        f"  one more sync: from the workers {sync['export_s']:.3f} s "
-        f"({sync['bytes'] / 2**20:.0f} MiB, {'/'.join(sync['dtypes'])}; of which the gather in "
-        f"the worker {sync['gather_in_worker_s']:.3f} s), into the sampler {sync['load_s']:.3f} s"
-    )
+    if sync is not None:
+        print(
+            f"  one more sync: from the workers {sync['export_s']:.3f} s "
+            f"({sync['bytes'] / 2**20:.0f} MiB, {'/'.join(sync['dtypes'])}; of which the gather "
+            f"in the worker {sync['gather_in_worker_s']:.3f} s), into the sampler "
+            f"{sync['load_s']:.3f} s; sent == master weights cast: {sync['sent_equals_master']}"
+        )
     for name, memory in [("driver", figures["driver_memory"])] + [
         (f"worker {rank}", m) for rank, m in enumerate(figures["workers_memory"])
     ]:
@@ -324,6 +354,7 @@ def report(figures: dict[str, Any]) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=["verl", "local"], default="verl")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the built-in tiny shape, small steps")
     parser.add_argument("--model-dir", type=Path, help="default: a directory under the temp dir")
@@ -345,6 +376,8 @@ def parse_args() -> argparse.Namespace:
     for key, value in (small if args.tiny else large).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.backend == "local" and (args.param_dtype or args.workers != 1):
+        parser.error("--backend local trains in fp32 in this process: drop --param-dtype/--workers")
     if args.steps < 1:
         parser.error("--steps must be at least 1 (the timed steps)")
     tokens = len(build_tokenizer())
@@ -381,6 +414,7 @@ def main() -> None:
         figures = asyncio.run(measure(args, model_dir, Path(run_dir)))
     cuda = args.device == "cuda"
     figures |= {
+        "backend": args.backend,
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
         "model": name,
@@ -392,7 +426,9 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "kl_coef": args.kl_coef,
         "micro_batch_size": args.micro_batch_size,
-        "param_dtype": args.param_dtype or ("bf16" if cuda else "fp32"),
+        "param_dtype": (
+            "fp32" if args.backend == "local" else args.param_dtype or ("bf16" if cuda else "fp32")
+        ),
         "driver_memory": process_memory(),
         "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
     }

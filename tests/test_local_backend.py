@@ -16,7 +16,7 @@ import torch
 from backends.local import sampler as sampler_module
 from backends.local.backend import LocalBackend, split_threads
 from backends.local.builtin import load_policy
-from backends.local.decoding import GROUP_OVERHEAD, prefill_groups
+from backends.local.decoding import GROUP_OVERHEAD, group_overhead, prefill_groups
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.config import TrainerConfig, load_config
@@ -403,6 +403,14 @@ def test_prefill_groups_cover_every_row_once_at_its_width(lengths: list[int]) ->
         assert len(groups) == 1
     if max(lengths) - min(lengths) > 2 * GROUP_OVERHEAD:
         assert len(groups) > 1, "far apart lengths are not padded to each other"
+
+
+def test_a_gpu_prefills_a_batch_of_mixed_lengths_as_one_group_where_a_cpu_splits_it() -> None:
+    # The sampler bench's batch: 64 prompts of 14-83 tokens (H200: 24 ms as one group, 49 in 3).
+    lengths = [14 + (i * 23) % 70 for i in range(64)]
+    cpu = prefill_groups(lengths, group_overhead(torch.device("cpu")))
+    gpu = prefill_groups(lengths, group_overhead(torch.device("cuda")))
+    assert len(cpu) > 1 and len(gpu) == 1
 
 
 async def test_an_empty_prompt_is_a_usage_error() -> None:

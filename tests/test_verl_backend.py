@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from backends.verl.backend import VerlBackend
 from backends.verl.convert import Row
@@ -174,6 +175,11 @@ async def test_weight_sync_checkpoints_and_the_kl_reference_on_the_cpu_worker_gr
         assert max_gap(workers_after, sampled(after)) < 1e-4, (
             "after the sync the sampler scores like the workers"
         )
+        # Under bf16 mixed precision (a GPU's default) the sync sends the weights cast to bf16.
+        full = backend.group.export_weights(backend.tied)
+        halved = backend.group.export_weights(backend.tied, torch.bfloat16)
+        assert all(halved[n].dtype == torch.bfloat16 for n in halved)
+        assert all(torch.equal(halved[n], full[n].to(torch.bfloat16)) for n in full)
 
         checkpoint = tmp_path / "ckpt"
         checkpoint.mkdir()

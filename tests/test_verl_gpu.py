@@ -38,6 +38,10 @@ async def test_weight_sync_on_the_gpu_makes_the_sampler_score_like_the_workers(
         assert max_gap(await backend.score(after), sampled(after)) < 1e-3, (
             "after the sync the GPU sampler scores like the GPU workers"
         )
+        # The pinned, asynchronous staging on the GPU: a bf16 sync is the master weights cast.
+        full = backend.group.export_weights(backend.tied)
+        halved = backend.group.export_weights(backend.tied, torch.bfloat16)
+        assert all(torch.equal(halved[n], full[n].to(torch.bfloat16)) for n in full)
     finally:
         await backend.shutdown()
 

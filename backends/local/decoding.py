@@ -25,7 +25,14 @@ from transformers import DynamicCache, PreTrainedModel
 
 from backends.local.prefix_cache import KeyValues
 
-__all__ = ["HFStepper", "Qwen2Stepper", "Stepper", "make_stepper", "prefill_groups"]
+__all__ = [
+    "HFStepper",
+    "Qwen2Stepper",
+    "Stepper",
+    "group_overhead",
+    "make_stepper",
+    "prefill_groups",
+]
 
 
 class Stepper(Protocol):
@@ -134,7 +141,7 @@ class Qwen2Stepper:
         # prefill on padding. Prompts are left-padded, so a group's new tokens are the last
         # `width` columns, and its rows' keys the last `span` (a row's cached tokens before
         # `width` are in the cache already; those inside it are run again, to the same values).
-        for rows, width in prefill_groups(todo):
+        for rows, width in prefill_groups(todo, group_overhead(ids_BL.device)):
             span = max(lengths[r] for r in rows)
             index = torch.tensor(rows, device=ids_BL.device)
             ids, ok = ids_BL[index, L - width :], valid[index, L - span :]
@@ -237,17 +244,27 @@ class Qwen2Stepper:
 
 
 # What one more prefill group costs beyond its tokens, in padded positions: the launch overhead
-# of its ~20 small kernels at the built-in sizes on CPU (measured, docs/benchmarks.md).
+# of its ~20 small kernels per layer at the built-in sizes on CPU (measured, docs/benchmarks.md).
 GROUP_OVERHEAD = 128
+# On a GPU a group costs its launches whatever its width: a 0.5B model prefilled 64 prompts of
+# 14-83 tokens (5,312 positions) in 24 ms as one group and 49 ms in 3 (H200, docs/benchmarks.md).
+GPU_GROUP_OVERHEAD = 8192
 
 
-def prefill_groups(lengths: list[int]) -> list[tuple[list[int], int]]:
+def group_overhead(device: torch.device) -> int:
+    """`prefill_groups`' cost of one more group on `device`."""
+    return GPU_GROUP_OVERHEAD if device.type == "cuda" else GROUP_OVERHEAD
+
+
+def prefill_groups(lengths: list[int], overhead: int | None = None) -> list[tuple[list[int], int]]:
     """Split a batch's rows into groups of similar prompt length: `(rows, width)` each.
 
     Minimises the padded positions a prefill runs (each group padded to its longest row) plus
-    `GROUP_OVERHEAD` per group, over groups of consecutive rows in length order; cuts fall only
-    where the length changes, so the search is over distinct lengths.
+    `overhead` per group (default `GROUP_OVERHEAD`, the CPU's), over groups of consecutive rows
+    in length order; cuts fall only where the length changes, so the search is over distinct
+    lengths.
     """
+    overhead = GROUP_OVERHEAD if overhead is None else overhead
     order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
     ls = [lengths[r] for r in order]
     starts = [i for i in range(len(ls)) if i == 0 or ls[i] != ls[i - 1]]
@@ -258,7 +275,7 @@ def prefill_groups(lengths: list[int]) -> list[tuple[list[int], int]]:
     cut = [0] * (len(starts) + 1)
     for k in range(1, len(starts) + 1):
         for j in range(k):
-            cost = best[j] + (ends[k - 1] - starts[j]) * ls[starts[j]] + GROUP_OVERHEAD
+            cost = best[j] + (ends[k - 1] - starts[j]) * ls[starts[j]] + overhead
             if cost < best[k]:
                 best[k], cut[k] = cost, j
     groups: list[tuple[list[int], int]] = []

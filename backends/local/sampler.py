@@ -290,6 +290,29 @@ class _Weights:
             self.unused.notify_all()
 
 
+def copy_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy `state_dict` (any dtype, any device) into `model`'s tensors, one at a time.
+
+    A host tensor moves to the model's accelerator before its dtype is converted: a blocking
+    copy would convert on the host first (PyTorch does, to save accelerator memory), through an
+    fp32 temporary of every weight. Names must match as `load_state_dict` requires.
+    """
+    targets = model.state_dict()
+    if targets.keys() != state_dict.keys() or any(
+        t.shape != state_dict[name].shape for name, t in targets.items()
+    ):
+        model.load_state_dict(state_dict)  # raises, naming the keys and shapes that differ
+        return
+    for name, target in targets.items():
+        source = state_dict[name]
+        if source.device != target.device:
+            source = source.to(target.device, non_blocking=True)
+        target.copy_(source)
+    device = next(iter(targets.values()), torch.empty(0)).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class BatchingSampler:
     """Serves concurrent `generate` calls by batching them over a private copy of the weights."""
 
@@ -360,7 +383,7 @@ class BatchingSampler:
                         "batch is stuck, or raise trainer.backend_timeout if batches run this long"
                     )
             with torch.no_grad():
-                standby.model.load_state_dict(state_dict)
+                copy_weights(standby.model, state_dict)
                 standby.version = version
                 standby.generation = next(_Weights._loads)
             with self._swap:

@@ -37,6 +37,7 @@ from backends.verl.config import (
     parse_verl_config,
     reference_worker_config,
     resolved_device,
+    resolved_param_dtype,
     training_worker_config,
 )
 from backends.verl.convert import Row, groups_to_rows, rows_to_batch
@@ -112,6 +113,9 @@ class VerlBackend(BackendProtocol):
             prefix_cache_mb=self.settings.prefix_cache_mb,
         )
         self.tied = tied_aliases(model)  # not sent at a weight sync: refilled here
+        # Under bf16 mixed precision the workers' forward sees the weights in bf16: a sync sends
+        # the sampler exactly those values, in half the bytes of the fp32 master weights.
+        self.sync_dtype = torch.bfloat16 if resolved_param_dtype(self.settings) == "bf16" else None
         overrides = hydra_overrides(config, self.settings, self.model_dir)
         composed = await asyncio.to_thread(compose_verl_config, overrides)
         await asyncio.to_thread(self._record, config, composed)
@@ -233,7 +237,7 @@ class VerlBackend(BackendProtocol):
 
     async def on_policy_updated(self, version: int) -> None:
         weights = await self._call(
-            "gathering the trained weights", self.group.export_weights, self.tied
+            "gathering the trained weights", self.group.export_weights, self.tied, self.sync_dtype
         )
         # Into the sampler's spare copy: a batch running now finishes on the weights it began with.
         await asyncio.to_thread(self.sampler.load_weights, weights, version)

@@ -193,6 +193,11 @@ def resolved_device(settings: VerlConfig) -> Literal["cpu", "cuda"]:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolved_param_dtype(settings: VerlConfig) -> Literal["fp32", "bf16"]:
+    """The workers' forward dtype: `param_dtype`, else fp32 on CPU and verl's bf16 on a GPU."""
+    return settings.param_dtype or ("fp32" if resolved_device(settings) == "cpu" else "bf16")
+
+
 def hydra_overrides(config: TrainerConfig, settings: VerlConfig, model_dir: Path) -> list[str]:
     """Dotted overrides of verl's `ppo_trainer` config that describe this run."""
     t = config.trainer
@@ -203,7 +208,7 @@ def hydra_overrides(config: TrainerConfig, settings: VerlConfig, model_dir: Path
             f"trainer.loss={t.loss!r} is not supported by backend 'verl'; it supports: {supported}"
         )
     device = resolved_device(settings)
-    dtype = settings.param_dtype or ("fp32" if device == "cpu" else "bf16")
+    dtype = resolved_param_dtype(settings)
     actor = {
         "strategy": settings.strategy,
         "ppo_mini_batch_size": t.batch_size,

@@ -5,7 +5,7 @@ this subclass adds what our protocol needs and verl's worker lacks:
 - `train_step`: `train_mini_batch` at the learning rate the trainer's schedule chose (verl would
   otherwise step its own scheduler);
 - `export_weights`: the full (unsharded) weights, gathered by every rank, returned by rank 0, for
-  the weight sync into the local sampler;
+  the weight sync into the local sampler (staged in pinned host memory on a GPU);
 - `compute_ref_log_prob`: the frozen reference's log-probs for the KL loss. As in verl's
   `ActorRolloutRefWorker`, the reference is a second, forward-only `TrainingWorker` in the same
   process (mesh `ref`), built from the initial weights by `start_reference` and never trained.
@@ -19,6 +19,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from verl.single_controller.base.decorator import (
@@ -30,7 +31,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_name
 from verl.workers.engine_workers import TrainingWorker
 
-from backends.verl.weights import Wire, to_wire
+from backends.verl.weights import HostStaging, Wire, to_wire
 
 __all__ = ["PolicyWorker"]
 
@@ -48,6 +49,7 @@ class PolicyWorker(TrainingWorker):  # type: ignore[misc]
         super().__init__(config)
         self.reference_config = reference
         self.ref: TrainingWorker | None = None
+        self.staging = HostStaging()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
     def start_reference(self) -> None:
@@ -79,16 +81,21 @@ class PolicyWorker(TrainingWorker):  # type: ignore[misc]
         return result
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
-    def export_weights(self, skip: Sequence[str] = ()) -> dict[str, Wire] | None:
+    def export_weights(
+        self, skip: Sequence[str] = (), dtype: str | None = None
+    ) -> dict[str, Wire] | None:
         """The full weights on rank 0 but the names in `skip` (None elsewhere), in the form
-        `to_wire` gives; every rank must call it (the gathers are collective)."""
+        `to_wire` gives, cast to `dtype` (a torch dtype's name; None: as trained); every rank
+        must call it (each full tensor is a collective gather)."""
+        cast = getattr(torch, dtype) if dtype else None
         params, _ = self.engine.get_per_tensor_param()
-        weights: dict[str, Wire] = {}
-        for name, tensor in params:
-            full = tensor.detach().to("cpu")
-            if self.rank == 0 and name not in skip:
-                weights[name] = to_wire(full)
-        return weights if self.rank == 0 else None
+        staged = {
+            name: self.staging.copy_in(name, tensor.detach(), cast)
+            for name, tensor in params
+            if self.rank == 0 and name not in skip
+        }
+        self.staging.wait()
+        return {name: to_wire(t) for name, t in staged.items()} if self.rank == 0 else None
 
 
 def _unpin_forward_only_offload() -> None:

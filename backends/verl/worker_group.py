@@ -218,14 +218,18 @@ class PolicyGroup:
         output = self.group.train_step(td).get()
         return _reduce(tu.get(output, "metrics"))
 
-    def export_weights(self, tied: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
-        """The full trained weights (gathered from the shards), as CPU tensors.
+    def export_weights(
+        self, tied: Mapping[str, str] | None = None, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The full trained weights (gathered from the shards), as CPU tensors in `dtype` (None:
+        as trained).
 
         `tied` maps names tied to another (see `tied_aliases`) to it: they are not sent, and
         come back as that name's tensor.
         """
         tied = tied or {}
-        results = self.group.export_weights(skip=list(tied))
+        wire_dtype = str(dtype).removeprefix("torch.") if dtype else None
+        results = self.group.export_weights(skip=list(tied), dtype=wire_dtype)
         sent = next((r for r in results if r is not None), None)
         if sent is None:
             raise BackendError("no verl worker returned the exported weights")

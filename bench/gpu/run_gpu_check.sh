@@ -3,7 +3,7 @@
 # "GPU check: how to run it"). Prepare here first: bash bench/gpu/fetch.sh
 #
 #   bash bench/gpu/run_gpu_check.sh stage                    # 1: carry .whl/ray_a .whl/extra
-#   bash bench/gpu/run_gpu_check.sh install preflight bench  # 2: carry .whl/whl .whl/ray_b
+#   bash bench/gpu/run_gpu_check.sh install preflight local bench  # 2: carry .whl/whl .whl/ray_b
 #   bash bench/gpu/run_gpu_check.sh test countdown           # 3: carry as 2
 # Calls 2 and 3 also carry .cache/countdown-warmstart-tiny (the countdown recipe's model).
 # Each call straight after the last, on the same warm machine (`all` runs every stage in one).
@@ -14,6 +14,8 @@
 #           the project (--no-deps) into $SITE
 # preflight versions, the device, and every import the check needs
 # test      pytest -m gpu tests/test_verl_gpu.py
+# local     the local backend on the ~0.5B Qwen2: bench/verl_gpu.py --backend local (step time),
+#           then bench/sampler.py in bf16 (the local sampler against HF generate, and the bound)
 # bench     bench/verl_gpu.py on the ~0.5B Qwen2 (with DEVICE=cpu: --device cpu --tiny)
 # countdown unified train examples/countdown/verl_sync.yaml with verl.device=$DEVICE, a few steps
 #
@@ -113,6 +115,19 @@ run_bench() {
   fi
 }
 
+run_local() {
+  local model=/tmp/unified-bench-qwen2-0.5b-random args=()
+  if [ "$DEVICE" = cpu ]; then
+    model=/tmp/unified-bench-tiny-random args=(--device cpu --tiny --steps 2 --warmup 1)
+  fi
+  "$PYTHON" bench/verl_gpu.py --backend local "${args[@]}" --model-dir "$model" \
+    --json "$OUT/local_gpu.json" || return 1
+  # BANDWIDTH_GBS: the device's memory bandwidth (H100 SXM 3350, H200 4800; the datasheets').
+  "$PYTHON" bench/sampler.py --model "$model" --device "$DEVICE" --dtype bf16 --rounds 3 \
+    --batch 64 --max-tokens 128 --no-batching ${BANDWIDTH_GBS:+--bandwidth-gbs "$BANDWIDTH_GBS"} \
+    --json "$OUT/sampler_gpu.json"
+}
+
 run_countdown() {
   local workers=1 name=gpu-countdown
   "$PYTHON" -m unified.cli train examples/countdown/verl_sync.yaml "name=$name" \
@@ -130,10 +145,10 @@ EOF
 }
 
 if [ "${1:-}" = --one ]; then run_"$2"; exit; fi
-stages="stage install preflight test bench countdown"
+stages="stage install preflight local test bench countdown"
 case " $* " in *" all "*) set -- $stages ;; esac
 [ $# -gt 0 ] || { echo "usage: $0 STAGE... ($stages, or all)"; exit 2; }
-declare -A limit_s=([stage]=60 [install]=240 [preflight]=120 [test]=300 [bench]=420 [countdown]=480)
+declare -A limit_s=([stage]=60 [install]=240 [preflight]=120 [local]=300 [test]=300 [bench]=420 [countdown]=480)
 failed=0
 for name in "$@"; do
   [ -n "${limit_s[$name]:-}" ] || { echo "unknown stage '$name'; use $stages, or all"; exit 2; }

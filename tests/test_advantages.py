@@ -142,3 +142,12 @@ def test_keep_per_group_is_at_least_two_and_at_most_the_group() -> None:
         TrainerSection(keep_per_group=1)
     with pytest.raises(ConfigError, match=r"keep_per_group \(9\) must be <= trainer.group_size"):
         load_config({"workflow": "m:W", "trainer": {"group_size": 8, "keep_per_group": 9}})
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo"])
+def test_a_group_baseline_over_one_rollout_is_refused_and_reinforce_is_not(advantage: str) -> None:
+    # One rollout is its own group mean: every advantage would be 0, and nothing would train.
+    one = {"workflow": "m:W", "trainer": {"group_size": 1, "advantage": advantage}}
+    with pytest.raises(ConfigError, match=r"a group trains on 1: every advantage would be 0"):
+        load_config(one)
+    load_config({"workflow": "m:W", "trainer": {"group_size": 1, "advantage": "reinforce"}})

@@ -30,6 +30,9 @@ from unified.protocol import (
 )
 from unified.types import Episode, ModelOutput, SamplingParams, Step, Trajectory, TrajectoryGroup
 
+# A seeded request's logprobs alone and in a batch agree to this (docs/guide.md, "Sampling").
+SEEDED_LOGPROB_TOLERANCE = 1e-5
+
 PROMPTS = ["3 5 7 -> 22", "12 4 -> 3", "1 2 3 -> 6", "9 9 -> 81"]
 
 
@@ -314,7 +317,11 @@ async def test_any_int_seed_samples_and_fails_no_other_request_of_its_batch() ->
         *(engine.complete([5, 6, 7], max_tokens=4, seed=seed, temperature=1.0) for seed in seeds)
     )
     again = await engine.complete([5, 6, 7], max_tokens=4, seed=2**70 + 3, temperature=1.0)
-    assert all(o.completion_ids for o in outputs) and again == outputs[3], "seeded: reproducible"
+    assert all(o.completion_ids for o in outputs)
+    # What a seed guarantees (docs/guide.md): the same tokens alone or in a batch; logprobs to
+    # float rounding, which some CPUs' kernels (AVX512) vary with the batch size.
+    assert again.completion_ids == outputs[3].completion_ids, "seeded: reproducible"
+    assert again.logprobs == pytest.approx(outputs[3].logprobs, abs=SEEDED_LOGPROB_TOLERANCE)
     await backend.shutdown()
 
 

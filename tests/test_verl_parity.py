@@ -128,7 +128,7 @@ def test_local_loss_equals_verls_loss_in_value_and_gradient(
     ours.backward()
 
     # verl adds 1e-8 to per-sequence token counts in seq-mean-token-mean.
-    assert float(ours) == pytest.approx(float(theirs), rel=1e-6), "loss value"
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-6), "loss value"
     assert ours_logp.grad is not None and theirs_logp.grad is not None
     torch.testing.assert_close(ours_logp.grad, theirs_logp.grad, msg="loss gradient")
 

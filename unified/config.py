@@ -284,6 +284,13 @@ class TrainerConfig(_Section):
                 f"trainer.keep_per_group ({t.keep_per_group}) must be <= trainer.group_size "
                 f"({t.group_size})"
             )
+        kept = t.keep_per_group or t.group_size
+        if kept < 2 and t.advantage != "reinforce" and t.loss != "cross_entropy":
+            raise ValueError(
+                f"trainer.advantage={t.advantage} compares rollouts of a group, and a group "
+                f"trains on {kept}: every advantage would be 0; set trainer.group_size (and "
+                "trainer.keep_per_group) to 2 or more, or trainer.advantage=reinforce"
+            )
         if t.stall_timeout <= t.workflow_timeout:
             raise ValueError(
                 f"trainer.stall_timeout ({t.stall_timeout:g}) must exceed "

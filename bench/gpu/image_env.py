@@ -1,11 +1,11 @@
 """A stand-in for the GPU machine's Python environment on this CPU machine, to check wheel lists.
 
 Makes a bare virtual environment whose site-packages links, from the interpreter running this
-script (the project's `.venv`), only: the packages the GPU image has (`../shared/gpu/README.md`
-names them; their dependencies follow from the installed metadata; pydantic is left out, as the
-image lacks it), the packages the probe's verified run proves the image has, and the
-distributions of the wheel lists given. Anything else the check imports then fails here as it
-would there. Versions and the Python version (3.11, not 3.12) are this machine's.
+script (the project's `.venv`), only: the packages the GPU image has (docs/backends/verl.md,
+"GPU check", names them; their dependencies follow from the installed metadata; pydantic is
+left out, as the image lacks it), the packages the probe's verified run proves the image has,
+and the distributions of the wheel lists given. Anything else the check imports then fails here
+as it would there. Versions and the Python version (3.11, not 3.12) are this machine's.
 
     .venv/bin/python bench/gpu/image_env.py /tmp/image-env
     DEVICE=cpu STEPS=2 PYTHON=/tmp/image-env/bin/python SITE=/nonexistent PYTHONPATH=$PWD \
@@ -24,7 +24,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
-# ../shared/gpu/README.md: what the image carries.
+# What the image carries (docs/backends/verl.md, "GPU check").
 IMAGE = ["torch", "transformers", "tokenizers", "accelerate", "peft", "safetensors", "numpy"]
 IMAGE += ["pandas", "pyarrow", "pip", "setuptools"]
 NOT_ON_IMAGE = {"pydantic", "pydantic-core", "annotated-types", "typing-inspection"}
@@ -86,7 +86,7 @@ def main() -> None:
         "--wheels",
         type=Path,
         nargs="*",
-        default=[ROOT.parent / "shared/gpu/wheels-verl.txt", ROOT / "bench/gpu/wheels-unified.txt"],
+        default=[ROOT / "bench/gpu/wheels-verl.txt", ROOT / "bench/gpu/wheels-unified.txt"],
         help="pin lists whose distributions the environment also gets",
     )
     args = parser.parse_args()

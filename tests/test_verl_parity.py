@@ -16,7 +16,13 @@ from verl.workers.utils.losses import ppo_loss
 
 from backends.local.builtin import load_policy, save_policy
 from backends.local.losses import kl_penalty, per_token_loss, token_weights
-from backends.verl.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES, verl_advantages
+from backends.verl.algorithms import (
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    ppo_loss_with_kl,
+    verl_advantages,
+    without_kl,
+)
 from backends.verl.config import (
     compose_verl_config,
     hydra_overrides,
@@ -191,11 +197,13 @@ def flat_sequence_values(values_BR: torch.Tensor, rows: list[Row]) -> torch.Tens
 
 @pytest.mark.parametrize("loss", ["ppo", "cispo"])
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
-def test_local_loss_with_kl_and_entropy_equals_verls_ppo_loss(
-    model_dir: Path, loss: str, loss_agg: str
+@pytest.mark.parametrize("kl_clamp", [None, 10.0])
+def test_local_loss_with_kl_and_entropy_equals_the_loss_verls_workers_run(
+    model_dir: Path, loss: str, loss_agg: str, kl_clamp: float | None
 ) -> None:
-    # The KL penalty against a reference, plus the entropy bonus, through verl's `ppo_loss` (the
-    # function verl's workers run) and through the local backend's per-token terms.
+    # The KL penalty against a reference, plus the entropy bonus, through `ppo_loss_with_kl` (the
+    # function verl's workers run: verl's `ppo_loss` and our KL term) and through the local
+    # backend's per-token terms; the log ratios reach past verl's clamp (k3 > 10 from ~2.6).
     kl_coef, entropy_coef = 0.3, 0.02
     config = actor_config(
         model_dir, loss, loss_agg=loss_agg, kl_coef=kl_coef, entropy_coef=entropy_coef
@@ -204,7 +212,8 @@ def test_local_loss_with_kl_and_entropy_equals_verls_ppo_loss(
     config.global_batch_info.clear()
     logp, old, adv, mask = batch_BT()
     g = torch.Generator().manual_seed(2)
-    ref = logp + (torch.rand(logp.shape, generator=g, dtype=torch.float64) - 0.5) * 1.5
+    ref = logp + (torch.rand(logp.shape, generator=g, dtype=torch.float64) - 0.5) * 8.0
+    assert float((ref - logp)[mask].max()) > 3.0, "some tokens past verl's clamp"
     entropy = torch.rand(logp.shape, generator=g, dtype=torch.float64)
     lengths = mask.sum(dim=1).tolist()
     rows = [
@@ -228,13 +237,23 @@ def test_local_loss_with_kl_and_entropy_equals_verls_ppo_loss(
         "log_probs": flat_sequence_values(theirs_logp[:, :width].float(), rows),
         "entropy": flat_sequence_values(entropy[:, :width].float(), rows),
     }
-    theirs, metrics = ppo_loss(config, output, data)
+    run = functools.partial(
+        ppo_loss_with_kl, config, pg_config=without_kl(config), kl_clamp=kl_clamp
+    )
+    theirs, metrics = run(output, data)
     theirs.backward()
-    assert "kl_loss" in metrics, "verl computed its KL loss"
+    assert "kl_loss" in metrics and metrics["kl_coef"] == kl_coef
+    verls_own, _ = ppo_loss(config, output, data)
+    if kl_clamp == 10.0:
+        assert float(verls_own.detach()) == pytest.approx(float(theirs.detach()), rel=1e-5), (
+            "low_var_kl"
+        )
+    else:
+        assert float(verls_own.detach()) < float(theirs.detach()) - 0.1, "verl's clamp drops KL"
 
     ours_logp = logp.clone().requires_grad_(True)
     terms = per_token_loss(loss, ours_logp[mask], old[mask], adv[mask], clip_ratio=0.2)
-    loss_T = terms.loss_T + kl_coef * kl_penalty(ours_logp[mask], ref[mask])
+    loss_T = terms.loss_T + kl_coef * kl_penalty(ours_logp[mask], ref[mask], kl_clamp)
     loss_T = loss_T - entropy_coef * entropy[mask]
     weights, norm = token_weights(lengths, loss_agg)  # type: ignore[arg-type]
     ours = (loss_T * weights.to(torch.float64)).sum() / norm

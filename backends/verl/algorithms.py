@@ -12,10 +12,13 @@ Losses (per token, `r = exp(logp - old)`, aggregated by verl's `agg_loss`):
 Aggregation: `token_mean`, `seq_mean_token_mean`, `seq_mean_token_sum` -> verl's `token-mean`,
 `seq-mean-token-mean`, `seq-mean-token-sum`. Entropy bonus -> `entropy_coeff`.
 
-KL penalty: `trainer.kl_coef * k3(ref || train)` per token, aggregated like the policy loss, as the
-local backend's `kl_penalty` -> verl's KL loss (`use_kl_loss`, `kl_loss_coef`, `kl_loss_type`
-`low_var_kl`: exp(ref - logp) - (ref - logp) - 1, which verl clamps to [-10, 10]) against the
-log-probs of a frozen reference worker holding the initial weights (verl's `ref` role).
+KL penalty: `trainer.kl_coef * k3(ref || train)` per token, aggregated like the policy loss,
+against the log-probs of a frozen reference worker holding the initial weights (verl's `ref`
+role). The term is the local backend's `kl_penalty`, added by `ppo_loss_with_kl` around verl's
+`ppo_loss`: verl's own `low_var_kl` clamps each token's value at 10, past which the pull back to
+the reference stops, and under it the countdown recipe collapsed onto one answer (entropy 0.75 ->
+0.03, stopped at step 178 of 900) where the local backend's unclamped term held it (0.17-0.19).
+`verl.kl_clamp: 10` gives verl's form.
 
 Advantages are the trainer's (`unified.advantages`), computed once for every backend; verl's
 estimators are the reference they are tested against: `grpo` -> `grpo` (verl divides by the
@@ -27,7 +30,7 @@ reward itself) has no verl estimator.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -41,6 +44,7 @@ __all__ = [
     "POLICY_LOSSES",
     "UNBOUNDED_RATIO",
     "PolicyLoss",
+    "ppo_loss_with_kl",
     "verl_advantages",
 ]
 
@@ -83,8 +87,54 @@ LOSS_AGGREGATIONS: Mapping[str, str] = MappingProxyType(
     }
 )
 
-# verl's name for the local backend's k3 estimator of KL(train || ref).
+# verl's name for the k3 estimator of KL(train || ref); the loss verl's workers run replaces its
+# clamped value with `kl_penalty`'s (`ppo_loss_with_kl`).
 KL_LOSS_TYPE = "low_var_kl"
+
+
+def without_kl(actor_config: Any) -> Any:
+    """`actor_config` with verl's own KL term off, for `ppo_loss_with_kl`'s `pg_config`."""
+    return replace(actor_config, use_kl_loss=False)
+
+
+def ppo_loss_with_kl(
+    config: Any,
+    model_output: Mapping[str, Any],
+    data: Any,
+    dp_group: Any = None,
+    *,
+    pg_config: Any,
+    kl_clamp: float | None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl's `ppo_loss` (policy loss and entropy bonus, from `pg_config`: `config` without
+    verl's KL) plus `config.kl_loss_coef` times the local backend's `kl_penalty` against
+    `data["ref_log_prob"]`, aggregated as verl aggregates its own KL loss.
+
+    The loss function verl's workers run (`TrainingWorker.set_loss_fn`), in their processes.
+    """
+    from verl.trainer.ppo.core_algos import agg_loss
+    from verl.utils.metric import Metric
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from backends.local.losses import kl_penalty
+
+    loss, metrics = ppo_loss(pg_config, model_output, data, dp_group)
+    if not config.use_kl_loss:
+        return loss, metrics
+    log_prob = no_padding_2_padding(model_output["log_probs"], data)
+    padded = data.select("response_mask", "ref_log_prob").to_padded_tensor()
+    kl_loss = agg_loss(
+        loss_mat=kl_penalty(log_prob, padded["ref_log_prob"], kl_clamp),
+        loss_mask=padded["response_mask"].to(bool),
+        loss_agg_mode=config.loss_agg_mode,
+        **pg_config.global_batch_info,
+    )
+    aggregation = metrics["actor/pg_loss"].aggregation
+    metrics["kl_loss"] = Metric(value=kl_loss, aggregation=aggregation)
+    metrics["kl_coef"] = config.kl_loss_coef
+    return loss + config.kl_loss_coef * kl_loss, metrics
+
 
 # Our estimator -> (verl estimator, its keyword arguments); None: verl has no equivalent.
 ADVANTAGE_ESTIMATORS: Mapping[str, tuple[str, dict[str, Any]] | None] = MappingProxyType(

@@ -127,6 +127,7 @@ class VerlBackend(BackendProtocol):
             num_workers=self.settings.num_workers,
             device=self.device,
             ray_address=self.settings.ray_address,
+            kl_clamp=self.settings.kl_clamp,
         )
         await self._call("start the verl worker group", self._group.start)
 

@@ -95,7 +95,7 @@ OWNED_KEYS: dict[str, str] = {
         )
     },
     _ACTOR + "strategy": "use verl.strategy",
-    _ACTOR + "kl_loss_type": "every backend's KL term is the same estimator (k3, low_var_kl)",
+    _ACTOR + "kl_loss_type": "use verl.kl_clamp (every backend's KL term is k3; 10: low_var_kl)",
     _ACTOR + "calculate_entropy": "the trainer asks for entropy with each call",
     _ACTOR + "checkpoint.save_contents": "a resume needs model, optimizer and extra",
     _ACTOR + "policy_loss.loss_mode": "use trainer.loss",
@@ -131,6 +131,12 @@ class VerlConfig(BaseModel):
     )
     dual_clip_ratio: float | None = Field(
         None, gt=1, description="verl's dual-clip bound for negative advantages (null: off)."
+    )
+    kl_clamp: float | None = Field(
+        None,
+        gt=0,
+        description="Clamp of the KL term's value per token (10: verl's own low_var_kl, under "
+        "which the countdown collapsed); null: none, as the local backend's default.",
     )
     param_dtype: Literal["fp32", "bf16"] | None = Field(
         None, description="FSDP compute dtype (default: fp32 on cpu, verl's bf16 on cuda)."

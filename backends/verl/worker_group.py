@@ -3,9 +3,10 @@
 `PolicyGroup.start` joins a Ray cluster (or starts a private one on 127.0.0.1), places one
 `PolicyWorker` per data-parallel rank with verl's `RayResourcePool`/`RayWorkerGroup`, builds the
 FSDP engine (`reset`), the frozen reference when a KL loss needs one (`start_reference`), and
-installs verl's `ppo_loss`. Its calls follow verl's trainer (`RayPPOTrainer._compute_old_log_prob`
-/ `_compute_ref_log_prob` / `_update_actor`): padded `DataProto` -> no-padding
-TensorDict -> worker call -> padded results. Every call blocks: the backend runs them in a thread.
+installs the loss (verl's `ppo_loss` with the KL term every backend uses, `ppo_loss_with_kl`).
+Its calls follow verl's trainer (`RayPPOTrainer._compute_old_log_prob` / `_compute_ref_log_prob`
+/ `_update_actor`): padded `DataProto` -> no-padding TensorDict -> worker call -> padded results.
+Every call blocks: the backend runs them in a thread.
 `shutdown` stops only what `start` started.
 """
 
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 from verl import DataProto
 
+from backends.verl.algorithms import ppo_loss_with_kl, without_kl
 from backends.verl.convert import micro_batch_rows, to_no_padding
 from backends.verl.weights import from_wire, with_aliases
 from unified.errors import BackendError
@@ -41,6 +43,7 @@ class PolicyGroup:
         num_workers: int,
         device: str,
         ray_address: str | None,
+        kl_clamp: float | None = None,
     ) -> None:
         self.worker_config = worker_config
         self.actor_config = actor_config
@@ -48,6 +51,7 @@ class PolicyGroup:
         self.num_workers = num_workers
         self.device = device
         self.ray_address = ray_address
+        self.kl_clamp = kl_clamp
         self._group: Any = None
         self._pool: Any = None
         self._started_ray = False
@@ -58,7 +62,6 @@ class PolicyGroup:
         """Start (or join) Ray, place the workers, build their engines and loss."""
         import ray
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-        from verl.workers.utils.losses import ppo_loss
 
         from backends.verl.worker import PolicyWorker
         from unified.workers import init_ray
@@ -105,7 +108,13 @@ class PolicyGroup:
         self._group.reset()
         if self.reference_config is not None:
             self._group.start_reference()
-        self._group.set_loss_fn(partial(ppo_loss, config=self.actor_config))
+        loss = partial(
+            ppo_loss_with_kl,
+            config=self.actor_config,
+            pg_config=without_kl(self.actor_config),
+            kl_clamp=self.kl_clamp,
+        )
+        self._group.set_loss_fn(loss)
 
     def _check_resources(self, available: dict[str, float]) -> None:
         """Refuse a group the cluster cannot place: Ray would wait for the bundles forever."""

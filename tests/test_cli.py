@@ -160,10 +160,13 @@ def test_eval_scores_a_checkpoint_as_the_run_did(
     assert code == 0, err
     assert json.loads(out) == json.loads(out_file.read_text())
     assert json.loads(out)["eval/accuracy"] == evals[20], "the newest checkpoint, scored the same"
+    assert json.loads(out)["eval/step"] == 20
+    assert f"scored the policy of {run_dir} at step 20" in err
 
     code, out, err = run(capsys, "eval", *demo)
     assert code == 0, err
     assert json.loads(out)["eval/accuracy"] == evals[0], "without a checkpoint: config.model"
+    assert json.loads(out)["eval/step"] == 0 and "(step 0)" in err
 
 
 def test_find_checkpoint_takes_the_newest_complete_one(tmp_path: Path) -> None:

@@ -184,12 +184,43 @@ def test_all_filtered_groups_end_the_run_with_a_clear_message(make_config: Confi
     for mode in ("sync", "async"):
         config = make_config(name=mode, mode=mode, trainer={"max_filtered_in_a_row": 12})
         backend = BanditBackend()
-        with pytest.raises(TrainingStopped, match="filtered"):
+        with pytest.raises(TrainingStopped, match=r"filtered .* before any step trained"):
             fit(config, backend, workflow=never_rewarded)
         assert not [e for e in backend.events if e[0] == "optim_step"], "zero trained steps"
         assert backend.shutdown_called
         run_dir = Path(config["logging"]["run_dir"]) / mode
         assert not run_dir.exists(), "a run that trained nothing leaves no directory to rerun over"
+
+
+@pytest.mark.parametrize("save_final", [True, False])
+def test_a_run_keeps_its_final_policy_unless_told_not_to(
+    make_config: ConfigFactory, save_final: bool
+) -> None:
+    config = make_config(trainer={"total_steps": 3, "save_every": 0, "save_final": save_final})
+    result = fit(config, BanditBackend())
+    saved = sorted(p.name for p in (result.run_dir / "checkpoints").glob("step_*"))
+    assert saved == (["step_000003"] if save_final else [])
+
+
+def test_equal_rewards_after_training_stop_the_run_as_a_collapse(
+    make_config: ConfigFactory,
+) -> None:
+    # Rewards differ within groups for the first 3 steps (8 episodes each), then never again:
+    # the advice is about the policy's collapse, not the workflow's reward.
+    episodes = itertools.count()
+
+    async def rewarded_at_first(task: Task, model: RolloutEngine) -> Trajectory:
+        out = await model.chat([{"role": "user", "content": "x"}])
+        n = next(episodes)
+        return Trajectory(steps=[Step(output=out)], reward=float(n % 2) if n < 24 else 0.0)
+
+    config = make_config(trainer={"total_steps": 20, "max_filtered_in_a_row": 12})
+    with pytest.raises(TrainingStopped) as stopped:
+        fit(config, BanditBackend(), workflow=rewarded_at_first)
+    message = str(stopped.value)
+    assert "after 3 trained steps: the policy has collapsed" in message
+    assert "train/entropy" in message and "trainer.entropy_coef" in message
+    assert "filter_groups" not in message
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -196,7 +196,8 @@ class RunDirectory:
         if latest is None:
             raise UsageError(
                 f"{str(path)!r} is neither a checkpoint (runs/<name>/checkpoints/step_N) nor a "
-                "run directory holding one; train with trainer.save_every > 0 to write them"
+                "run directory holding one; runs write one after the last step unless "
+                "trainer.save_final=false (and every trainer.save_every steps)"
             )
         return latest
 

@@ -216,6 +216,9 @@ def _eval(
         raise UsageError(f"--json {json_path!r} is a folder; give a file path, e.g. eval.json")
     source = Path(checkpoint) if checkpoint else None
     metrics = asyncio.run(run_eval(config, checkpoint=source))
+    step = int(metrics["eval/step"])
+    scored = f"the policy of {source} at step {step}" if source else f"{config.model} (step 0)"
+    print(f"unified eval: scored {scored}", file=sys.stderr)
     text = json.dumps(metrics, indent=2)
     print(text)
     if json_path:

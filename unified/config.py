@@ -120,6 +120,11 @@ class TrainerSection(_Section):
     eval_every: int = Field(10, ge=0, description="Evaluate every N steps (0: never).")
     eval_before_train: bool = Field(True, description="Evaluate once before the first step.")
     save_every: int = Field(20, ge=0, description="Checkpoint every N steps (0: never).")
+    save_final: bool = Field(
+        True,
+        description="Checkpoint after the last step, also with save_every 0, so the trained "
+        "policy is kept (false: only the save_every ones).",
+    )
     seed: int = Field(0, description="Seed for data order and per-request sampling seeds.")
     workflow_timeout: float = Field(
         60.0, gt=0, description="Seconds one workflow run may take before it becomes 'timeout'."

@@ -121,7 +121,8 @@ def tool_call_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
 
 
 async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> dict[str, float]:
-    """Evaluate `config.model` (or the policy of a checkpoint or run directory) on `data.eval`.
+    """Evaluate `config.model` (or the policy of a checkpoint or run directory) on `data.eval`;
+    `eval/step` is the trained step whose policy was scored (0: `config.model` itself).
 
     What `unified eval` runs: the same `evaluate` the trainer calls, with the config's workflow,
     `sampling.eval`, `eval_limit`, concurrency limits and seed, so its figures match a run's.
@@ -151,11 +152,11 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
         if source is not None:
             backend.will_load_checkpoint()
         await calls.call("setup", functools.partial(backend.setup, config))
-        version = 0
+        version = step = 0
         if source is not None:
             state = await RunDirectory.load_checkpoint(source, load)
-            version = state.version
-        return await evaluate(
+            version, step = state.version, state.step
+        metrics = await evaluate(
             workflow,
             backend.rollout_engine(),
             tasks,
@@ -165,6 +166,7 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
             timeout_s=config.trainer.workflow_timeout,
             slots=WorkflowSlots.for_config(config),
         )
+        return {**metrics, "eval/step": float(step)}
     except BaseException as e:
         error = e
         raise

@@ -245,12 +245,26 @@ class TrainingLoop:
         self._record_tool_calls(episode)
         self.groups.add_episode(ticket, episode)
         if self.groups.unproductive_in_a_row >= settings.max_filtered_in_a_row:
-            raise TrainingStopped(
-                f"the last {self.groups.unproductive_in_a_row} groups all ended filtered (equal "
-                f"rewards) or failed (last one {self.groups.last_unproductive_reason}), after "
-                f"{self.step} trained steps: the rewards give no learning signal for this policy; "
-                "check the workflow's reward, or set trainer.filter_groups=false"
+            raise TrainingStopped(self._no_signal_message())
+
+    def _no_signal_message(self) -> str:
+        """Why the run stops when every group ends filtered or failed, and what to change."""
+        what = (
+            f"the last {self.groups.unproductive_in_a_row} groups all ended filtered (equal "
+            f"rewards) or failed (last one {self.groups.last_unproductive_reason})"
+        )
+        if self.step == 0:
+            return (
+                f"{what} before any step trained: the rewards give no learning signal for this "
+                "policy; check the workflow's reward and that the model can solve some tasks"
             )
+        entropy = self.last_metrics.get("train/entropy")
+        seen = f" (train/entropy {entropy:.3g} at the last step)" if entropy is not None else ""
+        return (
+            f"{what} after {self.step} trained steps: the policy has collapsed onto answers that "
+            f"score the same within a group{seen}; resume from an earlier checkpoint with a "
+            "lower trainer.lr, or a larger trainer.entropy_coef or trainer.kl_coef"
+        )
 
     def _record_tool_calls(self, episode: Episode) -> None:
         """The `eval/tool_*` metrics of the training episodes, as `rollout/tool_*`: sampled at
@@ -399,7 +413,8 @@ class TrainingLoop:
         if self.eval_tasks and self._eval_due():
             metrics.update(await self._evaluate())
         await self._log(metrics)
-        if settings.save_every and (self.step % settings.save_every == 0 or self.finished):
+        periodic = settings.save_every and self.step % settings.save_every == 0
+        if periodic or (self.finished and settings.save_final):
             await self._save()
         # Evaluation, logging and saving belong to no step's timing.
         self._step_started = time.monotonic()

@@ -82,6 +82,18 @@ def test_dry_run_prints_the_resolved_config_and_the_checks(
     assert not (tmp_path / "runs").exists(), "a dry run writes nothing"
 
 
+def test_dry_run_shows_the_backends_section_with_its_defaults(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = Path(__file__).parent.parent / "examples" / "countdown" / "local_sync.yaml"
+    code, out, _ = run(capsys, "train", str(path), "--dry-run", "local.micro_batch=8")
+    assert code == 0
+    resolved = yaml.safe_load(out)
+    assert resolved["local"]["micro_batch"] == 8, "the override"
+    assert resolved["local"]["max_grad_norm"] == 1.0 and resolved["local"]["kl_clamp"] is None
+    assert "tinker" not in resolved and "verl" not in resolved, "other backends' empty sections"
+
+
 @pytest.mark.parametrize(
     ("config", "override", "expected"),
     [

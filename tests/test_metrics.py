@@ -201,7 +201,7 @@ def test_jsonl_sink_keeps_written_lines_before_close(tmp_path: Path) -> None:
 
 def test_console_sink_prints_one_line_per_step_when_not_a_tty() -> None:
     stream = io.StringIO()
-    sink = ConsoleSink(total_steps=10, stream=stream)
+    sink = ConsoleSink(total_steps=10, stream=stream, interval_s=0.0)
 
     sink.write(1, {"reward/mean": 0.4123, "throughput/tokens_per_s": 1234.0})
     sink.write(2, {"reward/mean": 0.5, "staleness/mean": 0.5, "staleness/max": 1.0})
@@ -214,6 +214,17 @@ def test_console_sink_prints_one_line_per_step_when_not_a_tty() -> None:
     assert "1.2k tok/s" in lines[0], f"throughput must be compact: {lines[0]}"
     assert "step 2/10" in lines[1] and "0.5" in lines[1], f"step and reward missing: {lines[1]}"
     assert "ETA" in lines[1], f"an ETA is expected mid-run: {lines[1]}"
+
+
+def test_console_sink_off_a_tty_prints_every_interval_evaluations_and_the_last_step() -> None:
+    # A 900-step run in a CI log: not 900 lines.
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=50, stream=stream, interval_s=3600.0)
+    for step in range(1, 51):
+        sink.write(step, {"reward/mean": 0.5, **({"eval/accuracy": 0.2} if step == 25 else {})})
+    sink.close()
+    steps = [line.split("|")[0].strip() for line in stream.getvalue().splitlines()]
+    assert steps == ["step 1/50", "step 25/50", "step 50/50"]
 
 
 def test_console_sink_rewrites_one_line_with_carriage_return_on_a_tty() -> None:

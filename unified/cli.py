@@ -16,9 +16,13 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING
 
 from unified.errors import TrainingInterrupted, UnifiedError, UsageError
 from unified.redaction import RedactingHandler, redact
+
+if TYPE_CHECKING:
+    from unified.config import TrainerConfig
 
 __all__ = ["main", "run_command"]
 
@@ -163,7 +167,7 @@ def _train(config_path: str, overrides: Sequence[str], *, dry_run: bool) -> int:
     trainer = UnifiedTrainer(config)
     if dry_run:
         cap = resolve_tis_cap(config, trainer.backend.capabilities)
-        print(config.to_yaml(), end="")
+        print(_resolved_yaml(config, trainer.backend), end="")
         print(
             f"# checks passed: backend {config.backend!r} honours every knob; workflow "
             f"{config.workflow!r} imports; {len(trainer.train_tasks)} train and "
@@ -176,6 +180,26 @@ def _train(config_path: str, overrides: Sequence[str], *, dry_run: bool) -> int:
     shown = f", eval/accuracy {accuracy:.3f}" if accuracy is not None else ""
     print(f"trained {result.steps} steps{shown}; run directory: {result.run_dir}")
     return 0
+
+
+def _resolved_yaml(config: TrainerConfig, backend: object) -> str:
+    """The config as the run will see it: the chosen backend's section with its defaults filled
+    in (from its `section_model`, when it has one), the other backends' empty sections left out."""
+    import yaml
+    from pydantic import BaseModel
+
+    from unified.config import backend_section
+    from unified.redaction import redact_config
+
+    data = config.public_dump()
+    model = getattr(type(backend), "section_model", None)
+    if isinstance(model, type) and issubclass(model, BaseModel) and config.backend in data:
+        section = backend_section(model, config, config.backend).model_dump(mode="json")
+        data[config.backend] = redact_config({config.backend: section})[config.backend]
+    for name in ("local", "tinker", "verl"):
+        if name != config.backend and data.get(name) == {}:
+            del data[name]
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def _sft(config_path: str, overrides: Sequence[str], *, output: str | None) -> int:

@@ -221,20 +221,31 @@ class ConsoleSink:
     """A live progress line: step, reward, staleness, throughput, eval accuracy, elapsed and ETA.
 
     On a terminal the line is rewritten in place with a carriage return; elsewhere (CI logs, files)
-    each step gets its own line. Metrics missing from a step are left out of its line.
+    a step gets its own line at most every `interval_s` seconds, and always with an evaluation and
+    at the last step. Metrics missing from a step are left out of its line. The ETA is paced on
+    the steps after the first, which carries one-time costs (compilation, warm-up).
     """
 
-    def __init__(self, total_steps: int, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, total_steps: int, stream: TextIO | None = None, *, interval_s: float = 10.0
+    ) -> None:
         self._total_steps = total_steps
         self._stream = stream if stream is not None else sys.stderr
         self._is_tty = self._stream.isatty()
+        self._interval_s = interval_s
         self._start_s = time.monotonic()
-        self._first_step: int | None = None
+        self._printed_s = -math.inf
+        self._first: tuple[int, float] | None = None  # the first step seen, and when it ended
         self._last_width = 0
         self._closed = False
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         line = self._format(step, metrics)
+        now = time.monotonic()
+        due = now - self._printed_s >= self._interval_s
+        if not (self._is_tty or due or "eval/accuracy" in metrics or step >= self._total_steps):
+            return
+        self._printed_s = now
         if self._is_tty:
             padding = " " * max(0, self._last_width - len(line))
             self._stream.write(f"\r{line}{padding}")
@@ -268,15 +279,17 @@ class ConsoleSink:
         return " | ".join(parts)
 
     def _timing(self, step: int) -> str:
-        elapsed_s = time.monotonic() - self._start_s
-        if self._first_step is None:
+        now = time.monotonic()
+        elapsed_s = now - self._start_s
+        if self._first is None:
             # A resumed run starts mid-way; pace the ETA on the steps this process has done.
-            self._first_step = step
-        steps_done = step - self._first_step + 1
+            self._first = (step, now)
+        first_step, first_s = self._first
+        steps_done, paced_s = step - first_step, now - first_s
         remaining = self._total_steps - step
-        if steps_done <= 0 or remaining <= 0 or elapsed_s <= 0:
+        if steps_done <= 0 or remaining <= 0 or paced_s <= 0:
             return f"{_duration(elapsed_s)} elapsed"
-        eta_s = remaining * elapsed_s / steps_done
+        eta_s = remaining * paced_s / steps_done
         return f"{_duration(elapsed_s)} elapsed, ETA {_duration(eta_s)}"
 
 

@@ -226,6 +226,8 @@ class LocalBackend(BackendProtocol):
     """In-process PyTorch policy: sampler with KV cache, four losses, AdamW."""
 
     name: ClassVar[str] = "local"
+    # The `local:` section's model: `--dry-run` shows its defaults.
+    section_model: ClassVar[type[BaseModel]] = LocalConfig
     capabilities = BackendCapabilities(partial_rollout=True, truncated_is=True)
 
     def __init__(self) -> None:

@@ -10,11 +10,12 @@ seed give bit-identical weights without touching the caller's RNG.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -238,6 +239,21 @@ def check_model_spec(spec: str) -> None:
         _model_directory(spec)
 
 
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No progress bars from transformers' loading and saving: a trainer loads and saves the
+    policy many times (sampler copies, checkpoints, evaluations), and each drew a bar."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def load_policy(
     spec: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -258,7 +274,10 @@ def load_policy(
         return model, builtin_tokenizer
     directory = _model_directory(spec)
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
+        with _quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(
+                directory, local_files_only=True, dtype=dtype
+            )
         tokenizer = load_tokenizer(directory)
     except (OSError, ValueError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -345,7 +364,8 @@ def save_policy(
     staging.mkdir()
     moved_aside = False
     try:
-        model.save_pretrained(staging)
+        with _quiet_transformers():
+            model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         # os.replace cannot overwrite a non-empty directory: move the old one aside first.
         if target.exists():

@@ -26,6 +26,7 @@ from typing import Any, ClassVar, TypeVar
 import httpx
 import numpy as np
 import tinker
+from pydantic import BaseModel
 from tinker.lib.base_url import resolve_base_url
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -83,6 +84,8 @@ class TinkerBackend(BackendProtocol):
     """LoRA training and sampling on Tinker through the pinned SDK."""
 
     name: ClassVar[str] = "tinker"
+    # The `tinker:` section's model: `--dry-run` shows its defaults.
+    section_model: ClassVar[type[BaseModel]] = TinkerConfig
     # Tinker's built-in losses have neither a KL nor an entropy term: both fold into advantages.
     capabilities = BackendCapabilities(partial_rollout=False)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
+from pydantic import BaseModel
 from safetensors.torch import load_file, save_file
 from verl import DataProto
 
@@ -80,6 +81,8 @@ class VerlBackend(BackendProtocol):
     """verl's FSDP2 training workers on Ray, with the local sampler holding the synced weights."""
 
     name: ClassVar[str] = "verl"
+    # The `verl:` section's model: `--dry-run` shows its defaults.
+    section_model: ClassVar[type[BaseModel]] = VerlConfig
     capabilities = BackendCapabilities(
         losses=frozenset({"ppo", "cispo", "importance_sampling"}),
     )

@@ -10,7 +10,7 @@ import pytest
 from backends.local.builtin import load_policy
 from unified.cli import main
 from unified.errors import UsageError
-from unified.plot import plot_run
+from unified.plot import panels, plot_run
 
 
 def test_plot_writes_a_png_of_the_run_curves(tmp_path: Path) -> None:
@@ -104,3 +104,15 @@ def test_sft_on_a_backend_that_cannot_export_fails_before_training(
     assert main(["sft", str(config)]) == 2
     assert "cannot do; fine-tune with backend=local or backend=verl" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists(), "nothing trained, nothing written"
+
+
+def test_the_kl_panel_shows_the_kl_to_the_reference_when_the_run_has_one() -> None:
+    mismatch = [{"step": 1, "train/kl_sample_train": -0.001}]
+    with_reference = [{"step": 1, "train/kl_sample_train": -0.001, "train/kl_reference": 0.2}]
+    assert panels(mismatch)[3][0] == "train/kl_sample_train"
+    assert panels(with_reference)[3][0] == "train/kl_reference"
+    assert [key for key, _ in panels(with_reference)[:3]] == [
+        "reward/mean",
+        "eval/accuracy",
+        "train/entropy",
+    ]

@@ -11,14 +11,25 @@ from pathlib import Path
 
 from unified.errors import UsageError
 
-__all__ = ["plot_run"]
+__all__ = ["panels", "plot_run"]
 
-_PANELS = (
-    ("reward/mean", "training reward (mean)"),
-    ("eval/accuracy", "eval accuracy (greedy)"),
-    ("train/entropy", "policy entropy (nats/token)"),
-    ("train/kl_sample_train", "KL(sampler || trainer)"),
+# Each panel draws the first of its metrics the run logged: the KL panel shows the KL to the
+# reference when the run has one (`trainer.kl_coef > 0`), else the sampler-trainer mismatch.
+_PANELS: tuple[tuple[tuple[str, str], ...], ...] = (
+    (("reward/mean", "training reward (mean)"),),
+    (("eval/accuracy", "eval accuracy (greedy)"),),
+    (("train/entropy", "policy entropy (nats/token)"),),
+    (
+        ("train/kl_reference", "KL to the reference (nats/token)"),
+        ("train/kl_sample_train", "KL(sampler || trainer)"),
+    ),
 )
+
+
+def panels(rows: list[dict[str, float]]) -> list[tuple[str, str]]:
+    """The metric and title of each of the four panels, for a run that logged `rows`."""
+    logged = {key for row in rows for key, value in row.items() if value is not None}
+    return [next((c for c in choices if c[0] in logged), choices[-1]) for choices in _PANELS]
 
 
 def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
@@ -47,7 +58,7 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), constrained_layout=True)
-    for ax, (key, title) in zip(axes.flat, _PANELS, strict=True):
+    for ax, (key, title) in zip(axes.flat, panels(rows), strict=True):
         points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if points:
             steps, values = zip(*points, strict=True)

@@ -19,7 +19,7 @@ from unified.advantages import (
     reinforce,
     rloo,
 )
-from unified.config import TrainerSection, load_config
+from unified.config import TrainerSection, check_rl_groups, load_config
 from unified.errors import ConfigError
 
 # Mean 5, population std 2: every advantage below is exact arithmetic on small numbers.
@@ -149,5 +149,7 @@ def test_a_group_baseline_over_one_rollout_is_refused_and_reinforce_is_not(advan
     # One rollout is its own group mean: every advantage would be 0, and nothing would train.
     one = {"workflow": "m:W", "trainer": {"group_size": 1, "advantage": advantage}}
     with pytest.raises(ConfigError, match=r"a group trains on 1: every advantage would be 0"):
-        load_config(one)
-    load_config({"workflow": "m:W", "trainer": {"group_size": 1, "advantage": "reinforce"}})
+        check_rl_groups(load_config(one))
+    check_rl_groups(load_config({**one, "trainer": {"group_size": 1, "advantage": "reinforce"}}))
+    sft = {**one, "trainer": {"group_size": 1, "advantage": advantage, "loss": "cross_entropy"}}
+    check_rl_groups(load_config(sft))

@@ -192,6 +192,17 @@ def test_all_filtered_groups_end_the_run_with_a_clear_message(make_config: Confi
         assert not run_dir.exists(), "a run that trained nothing leaves no directory to rerun over"
 
 
+def test_groups_that_fail_stop_the_run_naming_the_workflow_not_the_reward(
+    make_config: ConfigFactory,
+) -> None:
+    async def broken(task: Task, model: RolloutEngine) -> Trajectory:
+        raise RuntimeError("the tool server is down")
+
+    config = make_config(trainer={"max_filtered_in_a_row": 12, "max_error_rate": 1.0})
+    with pytest.raises(TrainingStopped, match=r"most of them failed.*episodes/errors"):
+        fit(config, BanditBackend(), workflow=broken)
+
+
 @pytest.mark.parametrize("save_final", [True, False])
 def test_a_run_keeps_its_final_policy_unless_told_not_to(
     make_config: ConfigFactory, save_final: bool

@@ -203,7 +203,7 @@ def test_console_sink_prints_one_line_per_step_when_not_a_tty() -> None:
     stream = io.StringIO()
     sink = ConsoleSink(total_steps=10, stream=stream, interval_s=0.0)
 
-    sink.write(1, {"reward/mean": 0.4123, "throughput/tokens_per_s": 1234.0})
+    sink.write(1, {"reward/mean": 0.4123, "throughput/tokens_per_s": 1234.0, "time/step": 1.0})
     sink.write(2, {"reward/mean": 0.5, "staleness/mean": 0.5, "staleness/max": 1.0})
     sink.close()
 
@@ -225,6 +225,27 @@ def test_console_sink_off_a_tty_prints_every_interval_evaluations_and_the_last_s
     sink.close()
     steps = [line.split("|")[0].strip() for line in stream.getvalue().splitlines()]
     assert steps == ["step 1/50", "step 25/50", "step 50/50"]
+
+
+def test_console_sink_off_a_tty_prints_the_last_step_of_a_run_that_stopped_early() -> None:
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=50, stream=stream, interval_s=3600.0)
+    for step in range(1, 8):  # stopped at step 7 (max_time_s, a signal)
+        sink.write(step, {"reward/mean": 0.5, "time/step": 1.0})
+    sink.close()
+    steps = [line.split("|")[0].strip() for line in stream.getvalue().splitlines()]
+    assert steps == ["step 1/50", "step 7/50"]
+
+
+def test_console_sink_paces_the_eta_on_trained_steps_not_the_step_0_evaluation() -> None:
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=10, stream=stream, interval_s=0.0)
+    sink.write(0, {"eval/accuracy": 0.1})
+    sink.write(1, {"reward/mean": 0.5, "time/step": 1.0})
+    lines = stream.getvalue().splitlines()
+    assert "ETA" not in lines[0] and "ETA" not in lines[1], "no pace before two trained steps"
+    sink.write(2, {"reward/mean": 0.5, "time/step": 1.0})
+    assert "ETA" in stream.getvalue().splitlines()[2]
 
 
 def test_console_sink_rewrites_one_line_with_carriage_return_on_a_tty() -> None:

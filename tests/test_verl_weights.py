@@ -44,7 +44,9 @@ def test_host_staging_casts_into_one_buffer_per_name_kept_between_syncs() -> Non
     assert second is first, "the next sync reuses the buffer"
     assert torch.equal(second, moved.to(torch.bfloat16))
     assert torch.equal(staging.copy_in("b", weight, None), weight), "None keeps the dtype"
-    assert staging.nbytes == weight.numel() * (2 + 4)
+    steps = torch.arange(3)
+    assert staging.copy_in("n", steps, torch.bfloat16).dtype == torch.int64, "floats only"
+    assert staging.nbytes == weight.numel() * (2 + 4) + 3 * 8
 
 
 def test_copy_weights_loads_bf16_values_into_an_fp32_model_and_refuses_a_wrong_shape() -> None:

@@ -119,7 +119,9 @@ class TrainerSection(_Section):
     )
     eval_every: int = Field(10, ge=0, description="Evaluate every N steps (0: never).")
     eval_before_train: bool = Field(True, description="Evaluate once before the first step.")
-    save_every: int = Field(20, ge=0, description="Checkpoint every N steps (0: never).")
+    save_every: int = Field(
+        20, ge=0, description="Checkpoint every N steps (0: no periodic checkpoints)."
+    )
     save_final: bool = Field(
         True,
         description="Checkpoint after the last step, also with save_every 0, so the trained "
@@ -289,13 +291,6 @@ class TrainerConfig(_Section):
                 f"trainer.keep_per_group ({t.keep_per_group}) must be <= trainer.group_size "
                 f"({t.group_size})"
             )
-        kept = t.keep_per_group or t.group_size
-        if kept < 2 and t.advantage != "reinforce" and t.loss != "cross_entropy":
-            raise ValueError(
-                f"trainer.advantage={t.advantage} compares rollouts of a group, and a group "
-                f"trains on {kept}: every advantage would be 0; set trainer.group_size (and "
-                "trainer.keep_per_group) to 2 or more, or trainer.advantage=reinforce"
-            )
         if t.stall_timeout <= t.workflow_timeout:
             raise ValueError(
                 f"trainer.stall_timeout ({t.stall_timeout:g}) must exceed "
@@ -326,6 +321,19 @@ class TrainerConfig(_Section):
 
 
 SectionT = TypeVar("SectionT", bound=BaseModel)
+
+
+def check_rl_groups(config: TrainerConfig) -> None:
+    """Refuse RL groups a group baseline cannot learn from (checked when training starts, not at
+    load: `unified sft` reads the same configs and uses no groups)."""
+    t = config.trainer
+    kept = t.keep_per_group or t.group_size
+    if kept < 2 and t.advantage != "reinforce" and t.loss != "cross_entropy":
+        raise ConfigError(
+            f"trainer.advantage={t.advantage} compares rollouts of a group, and a group trains "
+            f"on {kept}: every advantage would be 0; set trainer.group_size (and "
+            "trainer.keep_per_group) to 2 or more, or trainer.advantage=reinforce"
+        )
 
 
 def backend_section(model: type[SectionT], config: TrainerConfig, name: str) -> SectionT:

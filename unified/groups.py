@@ -79,6 +79,7 @@ class TrajectoryGroupBuffer:
         self.filter_groups = filter_groups
         self.next_seq = 0
         self.unproductive_in_a_row = 0
+        self.failed_in_a_row = 0  # of those, the groups that failed (the rest were filtered)
         self.last_unproductive_reason = ""
         self._sampler = tasks
         self._ledger = ledger
@@ -147,7 +148,7 @@ class TrajectoryGroupBuffer:
             reason = f"all rewards {rewards[0]:g}"
             self._end_untrained(EndedGroup(ticket, "filtered", oldest, reason, tuple(rewards)))
         else:
-            self.unproductive_in_a_row = 0
+            self.unproductive_in_a_row = self.failed_in_a_row = 0
             kept = usable
             if self.keep_per_group is not None:
                 kept = [usable[i] for i in max_variance_subset(rewards, self.keep_per_group)]
@@ -162,6 +163,7 @@ class TrajectoryGroupBuffer:
 
     def _end_untrained(self, ended: EndedGroup) -> None:
         self.unproductive_in_a_row += 1
+        self.failed_in_a_row += ended.outcome == "failed"
         self.last_unproductive_reason = f"{ended.outcome}: {ended.reason}"
         self.coordinator.release(ended.ticket.version)
         self._ended.append(ended)

@@ -253,6 +253,12 @@ class TrainingLoop:
             f"the last {self.groups.unproductive_in_a_row} groups all ended filtered (equal "
             f"rewards) or failed (last one {self.groups.last_unproductive_reason})"
         )
+        if 2 * self.groups.failed_in_a_row > self.groups.unproductive_in_a_row:
+            return (
+                f"{what}, most of them failed, after {self.step} trained steps: the workflow "
+                "errs or times out (episodes/errors, episodes/timeouts and the log say which); fix "
+                "it, or raise trainer.workflow_timeout if episodes legitimately take longer"
+            )
         if self.step == 0:
             return (
                 f"{what} before any step trained: the rewards give no learning signal for this "

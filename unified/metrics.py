@@ -235,17 +235,23 @@ class ConsoleSink:
         self._interval_s = interval_s
         self._start_s = time.monotonic()
         self._printed_s = -math.inf
-        self._first: tuple[int, float] | None = None  # the first step seen, and when it ended
+        self._held = ""  # off a terminal: the newest line not printed yet, printed at close
+        self._first: tuple[int, float] | None = None  # the first trained step, and when it ended
         self._last_width = 0
         self._closed = False
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self._first is None and "time/step" in metrics:
+            # A resumed run starts mid-way, and step 0 is an evaluation: pace the ETA on the
+            # steps this process has trained.
+            self._first = (step, time.monotonic())
         line = self._format(step, metrics)
         now = time.monotonic()
         due = now - self._printed_s >= self._interval_s
         if not (self._is_tty or due or "eval/accuracy" in metrics or step >= self._total_steps):
+            self._held = line
             return
-        self._printed_s = now
+        self._printed_s, self._held = now, ""
         if self._is_tty:
             padding = " " * max(0, self._last_width - len(line))
             self._stream.write(f"\r{line}{padding}")
@@ -258,6 +264,9 @@ class ConsoleSink:
         if self._closed:
             return
         self._closed = True
+        if self._held:  # a run that stopped early: its last step still gets its line
+            self._stream.write(self._held + "\n")
+            self._stream.flush()
         if self._is_tty and self._last_width:
             self._stream.write("\n")
             self._stream.flush()
@@ -282,8 +291,7 @@ class ConsoleSink:
         now = time.monotonic()
         elapsed_s = now - self._start_s
         if self._first is None:
-            # A resumed run starts mid-way; pace the ETA on the steps this process has done.
-            self._first = (step, now)
+            return f"{_duration(elapsed_s)} elapsed"
         first_step, first_s = self._first
         steps_done, paced_s = step - first_step, now - first_s
         remaining = self._total_steps - step

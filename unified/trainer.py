@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from unified.backend_calls import BackendCalls, DaemonExecutor
 from unified.checkpoint import RunDirectory, TrainerState
-from unified.config import TrainerConfig, load_config
+from unified.config import TrainerConfig, check_rl_groups, load_config
 from unified.data import TaskSampler, check_fields, load_eval_tasks, load_tasks
 from unified.errors import TrainingInterrupted, TrainingStopped, first_cause
 from unified.loop import TrainingLoop
@@ -58,6 +58,7 @@ class UnifiedTrainer:
         eval_tasks: Iterable[Task] | None = None,
     ) -> None:
         self.config = load_config(config)
+        check_rl_groups(self.config)
         model_provider(self.config.model)  # imports now; fit() builds, so a bad path fails fast
         self.workflow: WorkflowFn = resolve_workflow(
             workflow if workflow is not None else self.config.workflow

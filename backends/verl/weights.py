@@ -53,8 +53,10 @@ class HostStaging:
         self._pending = False  # an asynchronous (GPU) copy may be in flight
 
     def copy_in(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        """`tensor` (in `dtype`, or its own) in `name`'s buffer; valid after `wait`."""
-        dtype = dtype or tensor.dtype
+        """`tensor` (in `dtype` if it is a float tensor, else its own) in `name`'s buffer;
+        valid after `wait`. The buffers stay allocated (pinned) for the next sync: a copy of
+        the weights in host memory on the rank that sends them."""
+        dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         buffer = self._buffers.get(name)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != dtype:
             buffer = torch.empty(tensor.shape, dtype=dtype, pin_memory=tensor.is_cuda)

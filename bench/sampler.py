@@ -157,9 +157,6 @@ def main() -> None:
         args.json.write_text(json.dumps(report, indent=2))
 
 
-_own = decoding.group_overhead
-
-
 def _mixed_prefill(
     model: torch.nn.Module, tokenizer: Any, messages: list[list[dict[str, str]]], rounds: int
 ) -> dict[str, float]:
@@ -168,21 +165,20 @@ def _mixed_prefill(
     turns = [{"role": "assistant", "content": call}, {"role": "tool", "content": "33"}]
     prompts = [chat_prompt_ids(tokenizer, m + turns * (i % 3)) for i, m in enumerate(messages)]
     requests = [Request(p, SamplingParams(temperature=1.0, max_tokens=1, seed=0)) for p in prompts]
-    one_group = len(prompts) * max(map(len, prompts))  # more than any split saves
+    lengths = [len(p) for p in prompts]
+    own = decoding.group_overhead(next(model.parameters()).device)  # the sampler's on this device
+    one_group = len(prompts) * max(lengths)  # more than any split saves
     times: dict[str, list[float]] = {"grouped": [], "one_group": []}
     for _ in range(rounds + 1):  # the first round warms up
-        for name, overhead in (("grouped", None), ("one_group", one_group)):
-            # `None`: the sampler's own choice on this device.
-            with mock.patch.object(decoding, "group_overhead", lambda d, o=overhead: o or _own(d)):
+        for name, overhead in (("grouped", own), ("one_group", one_group)):
+            with mock.patch.object(decoding, "group_overhead", lambda _device, o=overhead: o):
                 started = time.perf_counter()
                 generate_batch(model, tokenizer, requests, version=0)  # type: ignore[arg-type]
                 times[name].append(time.perf_counter() - started)
-    lengths = [len(p) for p in prompts]
-    device = next(model.parameters()).device
     return {
         "grouped_s": statistics.median(times["grouped"][1:]),
         "one_group_s": statistics.median(times["one_group"][1:]),
-        "groups": float(len(decoding.prefill_groups(lengths, decoding.group_overhead(device)))),
+        "groups": float(len(decoding.prefill_groups(lengths, own))),
         "min_len": float(min(lengths)),
         "max_len": float(max(lengths)),
     }

@@ -308,9 +308,8 @@ def copy_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) ->
         if source.device != target.device:
             source = source.to(target.device, non_blocking=True)
         target.copy_(source)
-    device = next(iter(targets.values()), torch.empty(0)).device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if any(t.is_cuda for t in targets.values()):
+        torch.cuda.synchronize()
 
 
 class BatchingSampler:

@@ -2,7 +2,7 @@
 
 Every run (local backend, `builtin:tiny`, sync and async in turn) is killed `--kills` times at a
 random phase (generation, training, weight sync, checkpoint write), on entry or a random moment
-after, and resumed with `resume=true` after each kill (`tests/crashing.py`). The finished run is
+after, and resumed with `resume=true` after each kill (`bench/crashing.py`). The finished run is
 checked as the test suite checks it: metrics steps continuous, every dispatched group ended
 exactly once, every task the sampler drew accounted for, nothing half-written left; a sync run
 must also end with the ledger and the bit-identical tensors of the same run never killed.
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.crashing import (
+from bench.crashing import (
     PHASES,
     check_run,
     countdown_config,

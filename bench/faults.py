@@ -8,7 +8,8 @@ each against a clean run of the same shape in the same process (time ratio):
 - a backend call that never returns (`optim_step`): seconds until the run fails, vs the deadline;
 - the local Tinker server (`--tinker`): HTTP 500 and 429 bursts on every work endpoint, and a
   server that answers slower than `tinker.request_timeout_s`;
-- the bad-input table of `tests/test_bad_input.py`: rows tried, rows that exit 2 in one line.
+- the bad-input table of `tests/test_bad_input.py`, run by pytest: rows tried, rows that exit 2
+  in one line.
 
     python bench/faults.py --tinker --json runs/bench-faults.json
 """
@@ -16,10 +17,10 @@ each against a clean run of the same shape in the same process (time ratio):
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,17 +29,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.bandit import BanditBackend, bandit_tasks
-from tests.faulty import StuckOptimStep
 from unified import UnifiedTrainer
 from unified.errors import UnifiedError
+from unified.testing import BanditBackend, StuckOptimStep, bandit_tasks, digits_tasks
 
 
 def bandit_config(run_dir: str, name: str, mode: str, **trainer: Any) -> dict[str, Any]:
     return {
         "name": name,
         "mode": mode,
-        "workflow": "tests.bandit:BanditWorkflow",
+        "workflow": "unified.testing:BanditWorkflow",
         "trainer": {
             "total_steps": 20,
             "batch_size": 4,
@@ -81,7 +81,7 @@ def workflow_faults(tmp: str) -> dict[str, Any]:
         faulty = run(
             {
                 **bandit_config(tmp, f"faulty-{mode}", mode, max_error_rate=0.5),
-                "workflow": "tests.faulty:FlakyWorkflow",
+                "workflow": "unified.testing:FlakyWorkflow",
             }
         )
         faulty["time_over_clean"] = faulty["seconds"] / clean["seconds"]
@@ -106,13 +106,12 @@ def stuck_call(tmp: str) -> dict[str, Any]:
 def tinker_faults(tmp: str) -> dict[str, Any]:
     from backends.tinker.faults import Faults
     from backends.tinker.server import LocalServer
-    from tests.test_tinker_backend import tasks
 
     def config(url: str, name: str, **tinker: Any) -> dict[str, Any]:
         return {
             "name": name,
             "backend": "tinker",
-            "workflow": "tests.test_tinker_backend:DigitsWorkflow",
+            "workflow": "unified.testing:DigitsWorkflow",
             "model": "builtin:tiny",
             "trainer": {
                 "total_steps": 3,
@@ -135,7 +134,8 @@ def tinker_faults(tmp: str) -> dict[str, Any]:
             url = server.start(timeout_s=120)
             started = time.monotonic()
             try:
-                result = UnifiedTrainer(config(url, name, **tinker), train_tasks=tasks()).fit()
+                trainer = UnifiedTrainer(config(url, name, **tinker), train_tasks=digits_tasks())
+                result = trainer.fit()
                 got: dict[str, Any] = {"steps": result.steps}
             except UnifiedError as e:
                 got = {"error": f"{type(e).__name__}: {e}"}
@@ -159,22 +159,21 @@ def tinker_faults(tmp: str) -> dict[str, Any]:
     return {"clean": clean, "bursts": bursts, "slow": slow}
 
 
-def bad_inputs(tmp: str) -> dict[str, Any]:
-    from tests.test_bad_input import ROWS, argv
-    from unified.cli import main as cli
-
-    one_line_exit_2 = []
-    for name, (setup, expected) in sorted(ROWS.items()):
-        row_dir = Path(tmp) / f"bad-{len(one_line_exit_2)}-{abs(hash(name))}"
-        row_dir.mkdir()
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            code = cli(argv(row_dir, setup))
-        text = err.getvalue().strip()
-        if code == 2 and len(text.splitlines()) == 1 and expected in text:
-            one_line_exit_2.append(name)
-    print(f"bad inputs: {len(one_line_exit_2)} of {len(ROWS)} rows exit 2 with one line")
-    return {"tried": len(ROWS), "one_line_exit_2": len(one_line_exit_2)}
+def bad_inputs() -> dict[str, Any]:
+    """Run the bad-input table (`tests/test_bad_input.py`, each row asserts exit 2 with one
+    line naming the problem) and count its rows that pass."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_bad_input.py",
+         "-k", "test_bad_input_is_one_line_exit_2_and_no_run_directory"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|error)", summary)}
+    tried = sum(counts.values())
+    print(f"bad inputs: {counts.get('passed', 0)} of {tried} rows exit 2 with one line")
+    return {"tried": tried, "one_line_exit_2": counts.get("passed", 0)}
 
 
 def main() -> None:
@@ -186,7 +185,7 @@ def main() -> None:
         report: dict[str, Any] = {
             "workflows": workflow_faults(tmp),
             "stuck_call": stuck_call(tmp),
-            "bad_inputs": bad_inputs(tmp),
+            "bad_inputs": bad_inputs(),
         }
         if args.tinker:
             report["tinker"] = tinker_faults(tmp)

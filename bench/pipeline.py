@@ -36,10 +36,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.bandit import BanditBackend, bandit_tasks
 from unified import RolloutEngine, Step, Task, Trajectory, TrajectoryGroup, UnifiedTrainer
 from unified.config import TrainerConfig
 from unified.coordinator import SyncCoordinator
+from unified.testing import BanditBackend, bandit_tasks
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ def run_config(w: Workload, mode: str, args: argparse.Namespace, run_dir: str) -
     return {
         "name": f"{w.name}-{mode}",
         "mode": mode,
-        "workflow": "tests.bandit:BanditWorkflow",
+        "workflow": "unified.testing:BanditWorkflow",
         "trainer": {
             "total_steps": args.steps,
             "batch_size": w.batch,

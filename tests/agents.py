@@ -13,9 +13,9 @@ import torch
 
 from backends.local.backend import LocalBackend, _Row
 from backends.local.builtin import build_tokenizer, chat_prompt_ids
-from tests.bandit import BanditBackend, BanditEngine
 from unified.config import load_config
 from unified.protocol import RolloutEngine
+from unified.testing import BanditBackend, BanditEngine
 from unified.types import ModelOutput, Task, TrajectoryGroup
 from workflows.multi_turn import Observation
 from workflows.tools import ToolWorkflow

@@ -25,7 +25,7 @@ def make_config(tmp_path: Path) -> ConfigFactory:
         config: dict[str, Any] = {
             "name": "test",
             "mode": "sync",
-            "workflow": "tests.bandit:BanditWorkflow",
+            "workflow": "unified.testing:BanditWorkflow",
             "trainer": {
                 "total_steps": 4,
                 "batch_size": 2,

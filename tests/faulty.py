@@ -1,8 +1,8 @@
-"""Test-only fault injectors on top of the bandit: flaky workflows, broken replies, stuck calls.
+"""Test-only fault injectors on top of the bandit: buggy workflows, broken replies, stuck calls.
 
-Not product code. Each fault is drawn from a seeded `random.Random` keyed on the task and the
-request seed, so a test's faults are the same on every run. Config names them by import path
-(`workflow: tests.faulty:FlakyWorkflow`, `backend: tests.faulty:StuckOptimStep`).
+Not product code: the injectors users may use (`FlakyWorkflow`, `StuckOptimStep`) live in
+`unified.testing`. Config names these by import path (`workflow: tests.faulty:BuggyWorkflow`,
+`backend: tests.faulty:StringMetric`).
 """
 
 from __future__ import annotations
@@ -11,35 +11,14 @@ import asyncio
 import logging
 import math
 import os
-import random
 import threading
 from typing import Any
 
-from tests.bandit import BanditBackend, BanditWorkflow
 from unified.protocol import RolloutEngine
+from unified.testing import BanditBackend, BanditWorkflow
 from unified.types import ModelOutput, Step, Task, Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
-
-
-def _draw(task: Task, model: RolloutEngine) -> float:
-    seed = getattr(model, "_seed", None) or 0
-    return random.Random(f"{task.id}/{seed}").random()
-
-
-class FlakyWorkflow(BanditWorkflow):
-    """The bandit workflow, but 10% of runs raise and 5% hang until their timeout."""
-
-    error_rate = 0.10
-    hang_rate = 0.05
-
-    async def run(self, task: Task, model: RolloutEngine) -> Trajectory:
-        draw = _draw(task, model)
-        if draw < self.error_rate:
-            raise ConnectionError(f"injected workflow error on {task.id}")
-        if draw < self.error_rate + self.hang_rate:
-            await asyncio.Event().wait()  # never set: only the workflow timeout ends this
-        return await super().run(task, model)
 
 
 class BuggyWorkflow:
@@ -113,14 +92,6 @@ async def mismatched_logprobs(task: Task, model: RolloutEngine) -> Trajectory:
     out = await model.chat([{"role": "user", "content": "pick"}])
     bad = ModelOutput(**{**out.model_dump(), "logprobs": [*out.logprobs, -0.5]})
     return Trajectory(steps=[Step(messages=[], output=bad)], reward=1.0)
-
-
-class StuckOptimStep(BanditBackend):
-    """`optim_step` never returns (an awaited reply that never comes)."""
-
-    async def optim_step(self) -> dict[str, float]:
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
 
 
 class StuckInThread(BanditBackend):

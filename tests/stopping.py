@@ -15,8 +15,8 @@ import sys
 from collections.abc import Iterator
 from typing import ClassVar
 
-from tests.bandit import BanditWorkflow
 from unified.protocol import RolloutEngine
+from unified.testing import BanditWorkflow
 from unified.types import Task, Trajectory
 
 

@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from tests.bandit import BanditBackend
 from unified.backend_calls import BackendCalls, DaemonWorker, run_status
 from unified.config import TrainerSection
 from unified.errors import TrainingInterrupted
+from unified.testing import BanditBackend
 
 STUCK_CALL = """
 import asyncio, threading

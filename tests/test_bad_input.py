@@ -94,8 +94,8 @@ ROWS: dict[str, tuple[Setup, str]] = {
     "override into a value": (override("name.x=1"), "'name' is not a section"),
     "bad retry policy": (override("trainer.retry.save_checkpoint.attempts=0"), "attempts"),
     "workflow module missing": (override("workflow=no_such_module:Flow"), "no_such_module"),
-    "workflow attr missing": (override("workflow=tests.bandit:Nope"), "has no attribute"),
-    "workflow not async": (override("workflow=tests.bandit:bandit_tasks"), "not an async"),
+    "workflow attr missing": (override("workflow=unified.testing:Nope"), "has no attribute"),
+    "workflow not async": (override("workflow=unified.testing:bandit_tasks"), "not an async"),
     "unknown backend": (override("backend=quantum"), "unknown backend 'quantum'"),
     "unsupported knob": (override("async.partial_rollout=true"), "not supported by backend"),
     "key in config": (

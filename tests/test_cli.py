@@ -34,7 +34,7 @@ def demo(tmp_path: Path) -> list[str]:
         ("trainer.bach_size=3", "unknown config key 'trainer.bach_size'; valid keys here: "),
         ("trainer.batch_size=lots", "config key 'trainer.batch_size'"),
         ("async.max_staleness=-1", "greater than or equal to 0"),
-        ("workflow=tests.bandit:NoSuchWorkflow", "has no attribute 'NoSuchWorkflow'"),
+        ("workflow=unified.testing:NoSuchWorkflow", "has no attribute 'NoSuchWorkflow'"),
         ("workflow=no_such_module:Flow", "cannot import module 'no_such_module'"),
         ("async.partial_rollout=true", "async.partial_rollout=True is not supported by backend"),
         ("trainer.tis_cap=2", "trainer.tis_cap=2.0 is not supported by backend 'bandit'"),
@@ -199,7 +199,7 @@ def test_eval_refuses_a_checkpoint_of_another_backend(
     assert run(capsys, "train", *demo, "trainer.total_steps=10")[0] == 0
     run_dir = tmp_path / "runs" / "bandit-demo"
     code, _, err = run(capsys, "eval", *demo, "backend=local", "--checkpoint", str(run_dir))
-    assert code == 2 and "was trained with backend='tests.bandit:BanditBackend'" in err, err
+    assert code == 2 and "was trained with backend='unified.testing:BanditBackend'" in err, err
     assert len(err.strip().splitlines()) == 1
 
 

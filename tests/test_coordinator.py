@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from tests.bandit import bandit_tasks
 from unified.advantages import compute_advantages
 from unified.checkpoint import LedgerEntry
 from unified.coordinator import SyncCoordinator
@@ -15,6 +14,7 @@ from unified.data import TaskSampler
 from unified.errors import StallError
 from unified.groups import TrajectoryGroupBuffer
 from unified.rollout import WorkflowSlots
+from unified.testing import bandit_tasks
 from unified.types import Episode, ModelOutput, Step, Trajectory
 
 

@@ -18,9 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.bandit import BanditBackend, bandit_tasks
-from tests.conftest import ConfigFactory
-from tests.crashing import (
+from bench.crashing import (
     PHASES,
     Phase,
     check_run,
@@ -30,8 +28,10 @@ from tests.crashing import (
     run_life,
     train_with_kills,
 )
+from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.checkpoint import RunDirectory
+from unified.testing import BanditBackend, bandit_tasks
 
 KILLS_PER_CASE = 3
 STEPS = 2 * KILLS_PER_CASE  # each life moves the run on by two steps at most

@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.bandit import BanditBackend, bandit_tasks
 from tests.conftest import ConfigFactory
-from tests.faulty import NanGradient, NanThenFine, StuckInThread, StuckOptimStep
+from tests.faulty import NanGradient, NanThenFine, StuckInThread
 from tests.test_local_backend import PROMPTS, group_of, sample, started
 from unified import UnifiedTrainer
 from unified.checkpoint import RunDirectory
 from unified.errors import StallError, TrainingStopped, TransientBackendError
 from unified.retry import RetryPolicy, retrying
+from unified.testing import BanditBackend, StuckOptimStep, bandit_tasks, digits_tasks
 from unified.trainer import TrainResult
 from unified.types import TrajectoryGroup
 
@@ -229,7 +229,7 @@ def test_flaky_and_hanging_workflows_are_counted_and_the_run_completes(
 ) -> None:
     config = make_config(
         mode=mode,
-        workflow="tests.faulty:FlakyWorkflow",
+        workflow="unified.testing:FlakyWorkflow",
         trainer={"total_steps": 10, "workflow_timeout": 0.3, "max_error_rate": 0.5},
     )
     result = fit(config)
@@ -295,16 +295,15 @@ def test_a_tinker_server_that_stops_answering_fails_the_run_fast_naming_the_call
 ) -> None:
     from backends.tinker.faults import Faults
     from backends.tinker.server import LocalServer
-    from tests.test_tinker_backend import tasks
 
     monkeypatch.setenv("TINKER_API_KEY", "tml-test")
-    config = make_config(backend="tinker", workflow="tests.test_tinker_backend:DigitsWorkflow")
+    config = make_config(backend="tinker", workflow="unified.testing:DigitsWorkflow")
     config["model"] = "builtin:tiny"
     with LocalServer("builtin:tiny", store=tmp_path, faults=Faults(latency_s=10.0)) as url:
         config["tinker"] = {"base_url": url, "request_timeout_s": 1.0, "retries": 1}
         started_at = time.monotonic()
         with pytest.raises(TransientBackendError) as caught:
-            UnifiedTrainer(config, train_tasks=tasks()).fit()
+            UnifiedTrainer(config, train_tasks=digits_tasks()).fit()
         elapsed = time.monotonic() - started_at
     assert "create_lora_training_client failed 2 times in a row" in str(caught.value)
     assert "tinker.request_timeout_s=1 s" in str(caught.value), "the message names the deadline"

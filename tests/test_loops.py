@@ -15,13 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.bandit import BanditBackend, bandit_tasks, heavy_tailed_latency, multi_call_workflow
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.checkpoint import LedgerEntry, RunDirectory
 from unified.errors import UsageError
 from unified.metrics import METRIC_NAMES
 from unified.protocol import BackendCapabilities, RolloutEngine
+from unified.testing import BanditBackend, bandit_tasks, heavy_tailed_latency, multi_call_workflow
 from unified.trainer import TrainingStopped
 from unified.types import Step, Task, Trajectory, TrajectoryGroup
 

@@ -8,10 +8,10 @@ import pytest
 import yaml
 
 from tests import model_providers
-from tests.bandit import BanditBackend, bandit_tasks
 from tests.conftest import ConfigFactory
 from unified.cli import main
 from unified.model_provider import is_model_provider
+from unified.testing import BanditBackend, bandit_tasks
 from unified.trainer import UnifiedTrainer
 
 DEMO = Path(__file__).with_name("demo.yaml")

@@ -98,7 +98,8 @@ def test_sft_on_a_backend_that_cannot_export_fails_before_training(
 ) -> None:
     config = tmp_path / "sft.yaml"
     config.write_text(
-        "name: sft\nbackend: tests.bandit:BanditBackend\nworkflow: tests.bandit:BanditWorkflow\n"
+        "name: sft\nbackend: unified.testing:BanditBackend\n"
+        "workflow: unified.testing:BanditWorkflow\n"
         f"logging: {{run_dir: {tmp_path / 'runs'}, console: false}}\n"
     )
     assert main(["sft", str(config)]) == 2

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from tests.bandit import BanditBackend, BanditWorkflow
 from unified.errors import UsageError
 from unified.protocol import RolloutEngine
 from unified.rollout import SamplingEngine, WorkflowDeadlines, resolve_workflow, run_episode
+from unified.testing import BanditBackend, BanditWorkflow
 from unified.types import SamplingParams, Step, Task, Trajectory
 
 TASK = Task(id="t0", data={"target": 1})
@@ -75,11 +75,11 @@ def test_resolve_workflow_accepts_paths_classes_instances_and_functions() -> Non
         raise NotImplementedError
 
     assert resolve_workflow(fn) is fn
-    assert callable(resolve_workflow("tests.bandit:BanditWorkflow"))
+    assert callable(resolve_workflow("unified.testing:BanditWorkflow"))
     assert callable(resolve_workflow(BanditWorkflow))
     assert callable(resolve_workflow(BanditWorkflow()))
     with pytest.raises(UsageError, match="no attribute 'Nope'"):
-        resolve_workflow("tests.bandit:Nope")
+        resolve_workflow("unified.testing:Nope")
     with pytest.raises(UsageError, match="not an async function"):
         resolve_workflow(len)
 

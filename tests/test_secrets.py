@@ -79,7 +79,7 @@ def test_logs_of_a_real_process_mask_the_key(tmp_path: Path) -> None:
 def test_config_yaml_masks_secret_keys_and_values_but_keeps_the_rest() -> None:
     config = load_config(
         {
-            "workflow": "tests.bandit:BanditWorkflow",
+            "workflow": "unified.testing:BanditWorkflow",
             "tinker": {"base_url": f"https://user:{KEY}@example.com", "api_key_env": "X"},
             "verl": {"token": "hf_abcdefghijkl", "password": "", "max_tokens": 64},
         }

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from tests.bandit import BanditBackend, bandit_tasks
+from bench.crashing import check_run
 from tests.conftest import ConfigFactory
-from tests.crashing import check_run
 from tests.stopping import InterruptingWorkflow
 from unified import UnifiedTrainer
 from unified.checkpoint import RunDirectory
 from unified.protocol import RunStatus
+from unified.testing import BanditBackend, bandit_tasks
 from unified.trainer import TrainingInterrupted
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,7 +61,7 @@ def run_config(make_config: ConfigFactory, name: str, **trainer: Any) -> dict[st
     return make_config(name=name, trainer=settings, data={"train": _BANDIT_DATA})
 
 
-_BANDIT_DATA = {"generator": "tests.bandit:bandit_tasks", "n": 24}
+_BANDIT_DATA = {"generator": "unified.testing:bandit_tasks", "n": 24}
 
 
 @pytest.mark.parametrize(
@@ -181,7 +181,7 @@ def wait_for_stderr(process: subprocess.Popen[bytes], text: str, timeout_s: floa
 
 def cli_config(make_config: ConfigFactory, **trainer: Any) -> dict[str, Any]:
     config = run_config(make_config, "cli", **trainer)
-    return {**config, "backend": "tests.bandit:BanditBackend"}
+    return {**config, "backend": "unified.testing:BanditBackend"}
 
 
 def test_cli_exits_143_on_sigterm_with_a_checkpoint_and_resumes_to_the_end(

@@ -23,28 +23,14 @@ from unified.cli import main
 from unified.config import load_config
 from unified.errors import BackendError, UsageError
 from unified.evaluation import run_eval
-from unified.protocol import RolloutEngine
-from unified.types import Episode, ModelOutput, Step, Task, Trajectory, TrajectoryGroup
+from unified.testing import digits_tasks
+from unified.types import Episode, ModelOutput, Step, Trajectory, TrajectoryGroup
 
 KEY = "tml-test"
 # At 5e-3 the LoRA updates overshoot: one seed's greedy eval went 0.22 -> 0.42 -> 0.27 -> 0.16 over
 # 12 steps. At 2e-3 seeds 0-2 rose to 0.49-0.55 by step 8 in sync and async alike.
 COUNTDOWN_LR = 2e-3
 COUNTDOWN_GAIN = 0.1  # measured at step 8: +0.27 to +0.33 (0.224 -> 0.49-0.56)
-
-
-class DigitsWorkflow:
-    """Reward = share of digits in the reply: a random built-in model climbs it in a few steps."""
-
-    async def run(self, task: Task, model: RolloutEngine) -> Trajectory:
-        messages = [{"role": "user", "content": task.data["prompt"]}]
-        out = await model.chat(messages)
-        reward = sum(c.isdigit() for c in out.text) / max(1, len(out.text))
-        return Trajectory(steps=[Step(messages=messages, output=out, reward=reward)], reward=reward)
-
-
-def tasks(n: int = 64) -> list[Task]:
-    return [Task(id=f"t{i}", data={"prompt": f"{i} {i + 3} -> {2 * i}"}) for i in range(n)]
 
 
 @pytest.fixture
@@ -59,7 +45,7 @@ def tinker_config(make_config: ConfigFactory) -> Any:
         }  # fmt: skip
         return make_config(
             backend="tinker",
-            workflow=sections.pop("workflow", "tests.test_tinker_backend:DigitsWorkflow"),
+            workflow=sections.pop("workflow", "unified.testing:DigitsWorkflow"),
             model=sections.pop("model", "builtin:tiny"),
             trainer=trainer,
             sampling={"train": {"max_tokens": 8}, **sections.pop("sampling", {})},
@@ -94,7 +80,7 @@ def test_reward_rises_when_training_through_tinker(
     # Staleness 0 keeps a 6-step curve steady (off-policy noise hides the rise at this batch);
     # requests running across a weight sync are tested below.
     config = tinker_config(server.base_url, mode=mode, trainer=trainer, async_={"max_staleness": 0})
-    result = UnifiedTrainer(config, train_tasks=tasks()).fit()
+    result = UnifiedTrainer(config, train_tasks=digits_tasks()).fit()
     curve = rewards(result.run_dir)
     assert result.steps == 6 and len(curve) == 6
     first, last = sum(curve[:3]) / 3, sum(curve[3:]) / 3
@@ -142,14 +128,14 @@ def test_without_url_or_key_the_backend_trains_on_its_own_local_server_and_resum
 ) -> None:
     monkeypatch.delenv("TINKER_API_KEY", raising=False)
     config = tinker_config(trainer={"total_steps": 2, "save_every": 2})
-    first = UnifiedTrainer(config, train_tasks=tasks()).fit()
+    first = UnifiedTrainer(config, train_tasks=digits_tasks()).fit()
     (checkpoint,) = (first.run_dir / "checkpoints").iterdir()
     record = json.loads((checkpoint / "backend" / "tinker.json").read_text())
     assert record["state_path"].startswith("tinker://"), "the run records the tinker:// path"
     # A new process would start a new local server on the same store: so does this run.
     resumed = UnifiedTrainer(
         {**config, "resume": True, "trainer": {**config["trainer"], "total_steps": 4}},
-        train_tasks=tasks(),
+        train_tasks=digits_tasks(),
     ).fit()
     steps = [json.loads(line)["step"] for line in (first.run_dir / "metrics.jsonl").open()]
     assert resumed.steps == 4 and steps == [1, 2, 3, 4], f"step count not continuous: {steps}"
@@ -175,16 +161,16 @@ def test_a_resume_or_eval_makes_the_policy_client_from_saved_state_only(
     monkeypatch.setattr(server.service, "create_model", counted_create)
     monkeypatch.setattr(server.service, "load_weights", counted_load)
     config = tinker_config(server.base_url, trainer={"total_steps": 1, "save_every": 1})
-    UnifiedTrainer(config, train_tasks=tasks()).fit()
+    UnifiedTrainer(config, train_tasks=digits_tasks()).fit()
     fresh = made.count("fresh")  # the policy's, and the KL reference's if the run has one
     made.clear()
     resumed = {**config, "resume": True, "trainer": {**config["trainer"], "total_steps": 2}}
-    run_dir = UnifiedTrainer(resumed, train_tasks=tasks()).fit().run_dir
+    run_dir = UnifiedTrainer(resumed, train_tasks=digits_tasks()).fit().run_dir
     assert made.count("from state") == 1 and made.count("fresh") == fresh - 1, made
     made.clear()
     evaluated = {
         **config,
-        "data": {"eval": {"generator": "tests.test_tinker_backend:tasks", "n": 4}},
+        "data": {"eval": {"generator": "unified.testing:digits_tasks", "n": 4}},
     }
     metrics = asyncio.run(run_eval(load_config(evaluated), checkpoint=run_dir))
     assert metrics["eval/reward"] >= 0.0
@@ -199,7 +185,7 @@ def test_injected_5xx_and_429_are_retried_and_training_completes(
     server = LocalServer("builtin:tiny", store=tmp_path / "store", faults=faults)
     try:
         config = tinker_config(server.start(), trainer={"total_steps": 2})
-        result = UnifiedTrainer(config, train_tasks=tasks()).fit()
+        result = UnifiedTrainer(config, train_tasks=digits_tasks()).fit()
     finally:
         server.stop()
     assert server.injected["http_500"] > 0 and server.injected["http_429"] > 0, server.injected
@@ -215,7 +201,7 @@ def test_an_error_future_stops_training_with_a_clear_error(
     with served as url:
         config = tinker_config(url, trainer={"total_steps": 2})
         with pytest.raises(BackendError, match=r"optim_step failed.*injected error future"):
-            UnifiedTrainer(config, train_tasks=tasks()).fit()
+            UnifiedTrainer(config, train_tasks=digits_tasks()).fit()
     assert list(served.service.finished.values()) == ["errored"], "the session says it failed"
 
 
@@ -259,7 +245,7 @@ def test_the_folded_entropy_bonus_keeps_the_policy_more_random(
     for coef in (0.0, 0.5):
         trainer = {"total_steps": 4, "batch_size": 8, "filter_groups": False, "entropy_coef": coef}
         config = tinker_config(server.base_url, name=f"entropy-{coef}", trainer=trainer)
-        run_dir = UnifiedTrainer(config, train_tasks=tasks()).fit().run_dir
+        run_dir = UnifiedTrainer(config, train_tasks=digits_tasks()).fit().run_dir
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
         entropy[coef] = [r["train/entropy"] for r in rows if "train/entropy" in r]
     # Step 1 samples the same policy (batching moves logprobs by float rounding only).
@@ -286,7 +272,7 @@ def test_a_killed_run_resumes_at_its_last_checkpoint_and_leaves_no_server_behind
     tmp_path: Path, tinker_config: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("TINKER_API_KEY", raising=False)
-    data = {"train": {"generator": "tests.test_tinker_backend:tasks", "n": 64}}
+    data = {"train": {"generator": "unified.testing:digits_tasks", "n": 64}}
     trainer = {"total_steps": 1000, "save_every": 2}
     config = tinker_config(name="killed", data=data, trainer=trainer)
     path = tmp_path / "run.yaml"

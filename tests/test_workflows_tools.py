@@ -16,9 +16,9 @@ import pytest
 from pydantic import BaseModel
 
 from tests.agents import LOOKUP_CALL, LookupBanditWorkflow, ScriptedEngine, ToolBanditBackend
-from tests.bandit import bandit_tasks
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
+from unified.testing import bandit_tasks
 from unified.types import Task
 from workflows import tools as tools_module
 from workflows.tool_calls import ToolCall, parse_tool_calls

@@ -1,13 +1,23 @@
-"""A deterministic in-memory test backend: a softmax bandit small enough to reason about.
+"""Fakes for checking a setup without a model: a deterministic in-memory bandit backend, its
+workflow and tasks, a toy workflow for real-model backends, and fault injectors.
 
-Not a product backend. The "policy" is a logit per answer 0..K-1; a request's answer is drawn
-from softmax(logits / temperature) with the request's seed, so outputs depend only on the seed and
-the weights version, never on timing. Training is plain policy gradient on those logits, with a
-separate sampler copy of the weights that only `on_policy_updated` refreshes (so async data is
-really off-policy). With `async.partial_rollout: true` (and the capability) a request samples its
-answer, waits again, then ends with an end-of-answer token under whatever version is current by
-then, recording both tokens' versions: a request that spans a weight sync, as the local
-backend's partial rollouts do. Every call is recorded for the tests to inspect.
+Use them to check a workflow, a config or the trainer's failure settings in seconds, on any
+machine (`backend: unified.testing:BanditBackend`, `workflow: unified.testing:BanditWorkflow`,
+`data.train: {generator: "unified.testing:bandit_tasks", n: 64}`); the test suite and the
+benchmarks are built on them.
+
+The bandit backend is a softmax bandit small enough to reason about. The "policy" is a logit per
+answer 0..K-1; a request's answer is drawn from softmax(logits / temperature) with the request's
+seed, so outputs depend only on the seed and the weights version, never on timing. Training is
+plain policy gradient on those logits, with a separate sampler copy of the weights that only
+`on_policy_updated` refreshes (so async data is really off-policy). With
+`async.partial_rollout: true` (and the capability) a request samples its answer, waits again,
+then ends with an end-of-answer token under whatever version is current by then, recording both
+tokens' versions: a request that spans a weight sync, as the local backend's partial rollouts
+do. Every call is recorded for inspection (`requests`, `events`).
+
+Fault injectors (`FlakyWorkflow`, `StuckOptimStep`) draw their faults from seeded generators, so
+a run's faults are the same on every run.
 """
 
 from __future__ import annotations
@@ -251,3 +261,50 @@ def multi_call_workflow(calls: int) -> Callable[[Task, RolloutEngine], Any]:
         return Trajectory(steps=steps, reward=reward)
 
     return run
+
+
+class DigitsWorkflow:
+    """Reward = share of digits in the reply: a random built-in model climbs it in a few steps,
+    so it checks a real-model backend end to end (`model: builtin:tiny`, `digits_tasks`)."""
+
+    async def run(self, task: Task, model: RolloutEngine) -> Trajectory:
+        messages = [{"role": "user", "content": task.data["prompt"]}]
+        out = await model.chat(messages)
+        reward = sum(c.isdigit() for c in out.text) / max(1, len(out.text))
+        return Trajectory(steps=[Step(messages=messages, output=out, reward=reward)], reward=reward)
+
+
+def digits_tasks(n: int = 64) -> list[Task]:
+    """`n` prompts of digits for `DigitsWorkflow`."""
+    return [Task(id=f"t{i}", data={"prompt": f"{i} {i + 3} -> {2 * i}"}) for i in range(n)]
+
+
+def _draw(task: Task, model: RolloutEngine) -> float:
+    seed = getattr(model, "_seed", None) or 0
+    return random.Random(f"{task.id}/{seed}").random()
+
+
+class FlakyWorkflow(BanditWorkflow):
+    """The bandit workflow, but 10% of runs raise and 5% hang until their timeout: checks
+    `trainer.max_error_rate` and `trainer.workflow_timeout`. Faults are keyed on the task and
+    the request seed."""
+
+    error_rate = 0.10
+    hang_rate = 0.05
+
+    async def run(self, task: Task, model: RolloutEngine) -> Trajectory:
+        draw = _draw(task, model)
+        if draw < self.error_rate:
+            raise ConnectionError(f"injected workflow error on {task.id}")
+        if draw < self.error_rate + self.hang_rate:
+            await asyncio.Event().wait()  # never set: only the workflow timeout ends this
+        return await super().run(task, model)
+
+
+class StuckOptimStep(BanditBackend):
+    """`optim_step` never returns (an awaited reply that never comes): checks
+    `trainer.backend_timeout`."""
+
+    async def optim_step(self) -> dict[str, float]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")

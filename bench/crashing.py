@@ -1,13 +1,14 @@
 """Crash harness: train countdown in child processes, SIGKILL them at chosen phases, resume.
 
-Test-only. A child is forked from a `forkserver` that has torch and the trainer imported, so a
-life costs a fork and the tiny model's build, not an interpreter start. The child's backend
-(`PhaseReportingLocalBackend`, the real local backend) reports each entry into generation,
-training, weight sync and checkpoint writing over a pipe and waits for the parent's go, so the
-parent can kill it exactly there (the child is then paused inside the phase) or a random moment
-after. Every life resumes the same run directory (`resume=true`); `check_run` then states what
-an uninterrupted run guarantees: steps continuous, every dispatched group ended exactly once,
-every task drawn from the sampler accounted for, and nothing half-written visible.
+Used by `tests/test_crash.py` and `bench/crash_soak.py`; not product code. A child is forked from a
+`forkserver` that has torch and the trainer imported, so a life costs a fork and the tiny model's
+build, not an interpreter start. The child's backend (`PhaseReportingLocalBackend`, the real local
+backend) reports each entry into generation, training, weight sync and checkpoint writing over a
+pipe and waits for the parent's go, so the parent can kill it exactly there (the child is then
+paused inside the phase) or a random moment after. Every life resumes the same run directory
+(`resume=true`); `check_run` then states what an uninterrupted run guarantees: steps continuous,
+every dispatched group ended exactly once, every task drawn from the sampler accounted for, and
+nothing half-written visible.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def countdown_config(run_dir: Path, name: str, mode: str, **trainer: Any) -> dic
         "name": name,
         "backend": "local",
         "mode": mode,
-        "workflow": "tests.crashing:ShapedCountdownWorkflow",
+        "workflow": "bench.crashing:ShapedCountdownWorkflow",
         "model": "builtin:tiny",
         "data": {"train": {"generator": "examples.countdown.tasks:make_tasks", "n": 64}},
         "trainer": {
@@ -155,7 +156,7 @@ def random_kills(rng: random.Random, phases: tuple[Phase, ...], count: int) -> l
 
 def _context() -> multiprocessing.context.ForkServerContext:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["tests.crashing", "unified.trainer", "torch"])
+    context.set_forkserver_preload(["bench.crashing", "unified.trainer", "torch"])
     return context
 
 

@@ -7,7 +7,7 @@ checked as the test suite checks it: metrics steps continuous, every dispatched 
 exactly once, every task the sampler drew accounted for, nothing half-written left; a sync run
 must also end with the ledger and the bit-identical tensors of the same run never killed.
 
-    python bench/crash_soak.py --runs 10 --kills 5 --json runs/bench-crash-soak.json
+    python -m bench.crash_soak --runs 10 --kills 5 --json runs/bench-crash-soak.json
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.crashing import (
     PHASES,

@@ -11,7 +11,7 @@ each against a clean run of the same shape in the same process (time ratio):
 - the bad-input table of `tests/test_bad_input.py`, run by pytest: rows tried, rows that exit 2
   in one line.
 
-    python bench/faults.py --tinker --json runs/bench-faults.json
+    python -m bench.faults --tinker --json runs/bench-faults.json
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from unified import UnifiedTrainer
 from unified.errors import UnifiedError

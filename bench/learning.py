@@ -5,19 +5,16 @@ same 500 eval problems every `--eval-every` steps. Printed and written: eval acc
 wall time and against trained groups for both modes, accuracy at equal numbers of trained groups,
 and the ratio of wall time per trained group (async / sync; below 1 means async is faster).
 
-    python bench/learning.py --minutes 4 --json runs/bench-learning.json
+    python -m bench.learning --minutes 4 --json runs/bench-learning.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from unified.config import load_config
 from unified.trainer import UnifiedTrainer

@@ -8,7 +8,7 @@ ways to give each Step its prompt: `copy` (a list: `Step` copies it, what every 
 bytes the finished trajectory retains and the peak while it runs (`tracemalloc`), distinct
 message objects held, and the episode's wall time (untraced).
 
-    python bench/long_episode.py --turns 200 --json runs/bench-long-episode.json
+    python -m bench.long_episode --turns 200 --json runs/bench-long-episode.json
 """
 
 from __future__ import annotations
@@ -17,13 +17,10 @@ import argparse
 import asyncio
 import gc
 import json
-import sys
 import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from unified import ModelOutput, RolloutEngine, Step, Task, Trajectory
 from workflows.multi_turn import Environment, MultiTurnWorkflow, Observation

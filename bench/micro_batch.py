@@ -5,8 +5,8 @@ times `forward_backward` on that batch with `local.micro_batch` at each size, in
 rounds in one process, at each thread count, and prints the medians and their ratio to the
 first size. The gradients are the same at every size (tests/test_local_backend.py).
 
-    python bench/micro_batch.py --json runs/bench-micro-batch.json
-    python bench/micro_batch.py --config examples/countdown/local_async.yaml
+    python -m bench.micro_batch --json runs/bench-micro-batch.json
+    python -m bench.micro_batch --config examples/countdown/local_async.yaml
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends.local.backend import LocalBackend
 from bench.multiturn_scoring import sample_groups, time_pass

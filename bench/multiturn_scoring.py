@@ -9,7 +9,7 @@ and reference passes, backward) on the same batch both ways, in alternating roun
 process, and prints the medians and their ratio. The losses agree (tests/test_workflows_masking.py
 checks the gradients too).
 
-    python bench/multiturn_scoring.py --json runs/bench-multiturn-scoring.json
+    python -m bench.multiturn_scoring --json runs/bench-multiturn-scoring.json
 """
 
 from __future__ import annotations
@@ -18,12 +18,9 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from unittest import mock
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends.local.backend import LocalBackend
 from examples.countdown.prepare import TOOL_WARMSTART_DIR, TOOL_WARMSTART_RECIPE, ensure_warmstart

@@ -13,7 +13,7 @@ completion, advantages, filtering, the ledger and the metrics. Three figures:
   have started), traced with `tracemalloc`, over a baseline taken just before they start;
 - that run with 10,000 workflows in flight completing, with memory flat across its steps.
 
-    python bench/overhead.py --json runs/bench-overhead.json
+    python -m bench.overhead --json runs/bench-overhead.json
 """
 
 from __future__ import annotations
@@ -22,14 +22,11 @@ import argparse
 import asyncio
 import gc
 import json
-import sys
 import tempfile
 import time
 import tracemalloc
 from pathlib import Path
 from typing import Any, ClassVar
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from unified import (
     BackendProtocol,

@@ -10,7 +10,7 @@ weights current when its request returned), request latency, and the share of co
 to the other mode's. Rounds alternate between the modes in one process; figures are medians and
 ratios partial / whole.
 
-    python bench/partial_rollout.py --json runs/bench-partial.json
+    python -m bench.partial_rollout --json runs/bench-partial.json
 """
 
 from __future__ import annotations
@@ -20,12 +20,9 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends.local.backend import LocalBackend
 from examples.countdown.tasks import make_tasks, prompt

@@ -14,7 +14,7 @@ Efficiency is ideal / measured time per step (steady state: first optimizer step
 The workloads: (a) heavy-tailed time inside the workflow (tools, environments); (b) generation
 bound: a long tail inside the model request and a concurrency limit; (c) training bound.
 
-    python bench/pipeline.py --json runs/bench-pipeline.json
+    python -m bench.pipeline --json runs/bench-pipeline.json
 """
 
 from __future__ import annotations
@@ -27,14 +27,11 @@ import json
 import math
 import random
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from unified import RolloutEngine, Step, Task, Trajectory, TrajectoryGroup, UnifiedTrainer
 from unified.config import TrainerConfig

@@ -8,8 +8,8 @@ median generated tokens per second. A second figure shows request batching: N co
 times the prefill of a batch mixing first turns with later turns of tool conversations (as an
 agent's batches do), in groups of similar length against one group padded to the longest.
 
-    python bench/sampler.py --json runs/bench-sampler.json
-    python bench/sampler.py --model <hf-dir> --device cuda --dtype bf16   (a GPU: see bench/gpu/)
+    python -m bench.sampler --json runs/bench-sampler.json
+    python -m bench.sampler --model <hf-dir> --device cuda --dtype bf16   (a GPU: see bench/gpu/)
 """
 
 from __future__ import annotations
@@ -18,15 +18,12 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends.local import decoding
 from backends.local.backend import LocalBackend

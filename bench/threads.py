@@ -11,10 +11,10 @@ the conversation so far (the default). This trains the same config both ways for
 steps, in alternating rounds in one process, and prints the median `time/step` and `time/eval`
 of each and their ratio (the old way's time over the new way's).
 
-    python bench/threads.py --json runs/bench-threads.json
-    python bench/threads.py --config examples/countdown/local_tool_async.yaml --steps 60
-    python bench/threads.py --compare reference --config examples/countdown/local_tool_async.yaml
-    python bench/threads.py --compare prefix-cache --config examples/countdown/local_tool_async.yaml
+    python -m bench.threads --json runs/bench-threads.json
+    python -m bench.threads --config examples/countdown/local_tool_async.yaml --steps 60
+    python -m bench.threads --compare reference --config examples/countdown/local_tool_async.yaml
+    python -m bench.threads --compare prefix-cache --config examples/countdown/local_tool_async.yaml
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from unified.config import load_config
 from unified.trainer import UnifiedTrainer

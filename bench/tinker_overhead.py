@@ -8,7 +8,7 @@ sampled estimate folded into advantages on tinker) is switched off. Printed and 
 median wall time per step of each (after `--warmup` steps) and their ratio (tinker / local; the
 target is <= 1.5).
 
-    python bench/tinker_overhead.py --steps 40 --json runs/bench-tinker-overhead.json
+    python -m bench.tinker_overhead --steps 40 --json runs/bench-tinker-overhead.json
 """
 
 from __future__ import annotations
@@ -17,12 +17,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from unified.config import load_config
 from unified.trainer import UnifiedTrainer

@@ -13,10 +13,10 @@ evaluations do, and also prints which attempt hit, how often the second check re
 first, the shapes of the checked expressions (each of the task's numbers written `n`), and what
 the first attempt was on the problems the numbers' sum solves (the sum, or a number miscopied).
 
-    python bench/tool_probe.py --problems 512
-    python bench/tool_probe.py --steps 100 --lr 2e-3 --into .cache/tool-warmstart-100-2e-3
-    python bench/tool_probe.py --checkpoint runs/NAME/checkpoints/step_000100/backend
-    python bench/tool_probe.py --greedy --problems 500 --checkpoint runs/NAME/checkpoints/step_N/...
+    python -m bench.tool_probe --problems 512
+    python -m bench.tool_probe --steps 100 --lr 2e-3 --into .cache/tool-warmstart-100-2e-3
+    python -m bench.tool_probe --checkpoint runs/NAME/checkpoints/step_000100/backend
+    python -m bench.tool_probe --greedy --problems 500 --checkpoint runs/NAME/checkpoints/step_N/...
 """
 
 from __future__ import annotations
@@ -26,13 +26,10 @@ import asyncio
 import json
 import re
 import statistics
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.countdown.prepare import TOOL_WARMSTART_DIR, TOOL_WARMSTART_RECIPE, ensure_warmstart
 from examples.countdown.reward import countdown_reward

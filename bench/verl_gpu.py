@@ -16,9 +16,9 @@ prompts' ids depend on it, while the vocabulary, and with it the parameter count
 weight sync and the cost of the output layer, stays Qwen's. A random model almost never samples
 its end token, so every response runs to `--max-tokens`: each step has the same shape.
 
-    python bench/verl_gpu.py --json $OUT/verl_gpu.json                        (a CUDA machine)
-    python bench/verl_gpu.py --device cpu --tiny --json runs/verl_gpu_cpu.json  (same path, CPU)
-    python bench/verl_gpu.py --backend local --json $OUT/local_gpu.json       (the local backend)
+    python -m bench.verl_gpu --json $OUT/verl_gpu.json                        (a CUDA machine)
+    python -m bench.verl_gpu --device cpu --tiny --json runs/verl_gpu_cpu.json  (same path, CPU)
+    python -m bench.verl_gpu --backend local --json $OUT/local_gpu.json       (the local backend)
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends.local.builtin import BUILTIN_SIZES, build_tokenizer, save_policy
 

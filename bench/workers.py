@@ -8,7 +8,7 @@ plus the cost of serving model calls to the workers. Both runs go through the re
 `UnifiedTrainer`, in one process, one after the other; Ray starts before either, so its start-up
 and the workers' are outside the steady state (first optimizer step to last).
 
-    python bench/workers.py --json runs/bench-workers.json
+    python -m bench.workers --json runs/bench-workers.json
 """
 
 from __future__ import annotations
@@ -16,13 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.overhead import ZeroBackend, tasks
 from bench.overhead import config as overhead_config

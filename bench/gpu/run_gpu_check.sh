@@ -109,9 +109,9 @@ run_test() {
 
 run_bench() {
   if [ "$DEVICE" = cuda ]; then
-    "$PYTHON" bench/verl_gpu.py --json "$OUT/verl_gpu.json"
+    "$PYTHON" -m bench.verl_gpu --json "$OUT/verl_gpu.json"
   else
-    "$PYTHON" bench/verl_gpu.py --device cpu --tiny --steps 2 --warmup 1 --json "$OUT/verl_gpu.json"
+    "$PYTHON" -m bench.verl_gpu --device cpu --tiny --steps 2 --warmup 1 --json "$OUT/verl_gpu.json"
   fi
 }
 
@@ -120,10 +120,10 @@ run_local() {
   if [ "$DEVICE" = cpu ]; then
     model=/tmp/unified-bench-tiny-random args=(--device cpu --tiny --steps 2 --warmup 1)
   fi
-  "$PYTHON" bench/verl_gpu.py --backend local "${args[@]}" --model-dir "$model" \
+  "$PYTHON" -m bench.verl_gpu --backend local "${args[@]}" --model-dir "$model" \
     --json "$OUT/local_gpu.json" || return 1
   # BANDWIDTH_GBS: the device's memory bandwidth (H100 SXM 3350, H200 4800; the datasheets').
-  "$PYTHON" bench/sampler.py --model "$model" --device "$DEVICE" --dtype bf16 --rounds 3 \
+  "$PYTHON" -m bench.sampler --model "$model" --device "$DEVICE" --dtype bf16 --rounds 3 \
     --batch 64 --max-tokens 128 --no-batching ${BANDWIDTH_GBS:+--bandwidth-gbs "$BANDWIDTH_GBS"} \
     --json "$OUT/sampler_gpu.json"
 }

@@ -3,7 +3,7 @@
 Runs the real trainer with faults injected and reports what was injected and what happened,
 each against a clean run of the same shape in the same process (time ratio):
 
-- workflows (bandit test backend): 10% raise, 5% hang until `trainer.workflow_timeout`; sync
+- workflows (bandit test backend): 10% raise, 5% hang until `trainer.workflow_timeout_s`; sync
   and async;
 - a backend call that never returns (`optim_step`): seconds until the run fails, vs the deadline;
 - the local Tinker server (`--tinker`): HTTP 500 and 429 bursts on every work endpoint, and a
@@ -46,7 +46,7 @@ def bandit_config(run_dir: str, name: str, mode: str, **trainer: Any) -> dict[st
             "eval_every": 0,
             "eval_before_train": False,
             "save_every": 0,
-            "workflow_timeout": 0.5,
+            "workflow_timeout_s": 0.5,
             **trainer,
         },
         "logging": {"run_dir": run_dir, "console": False},
@@ -94,7 +94,7 @@ def workflow_faults(tmp: str) -> dict[str, Any]:
 
 def stuck_call(tmp: str) -> dict[str, Any]:
     deadline = 1.0
-    got = run(bandit_config(tmp, "stuck", "async", backend_timeout=deadline), StuckOptimStep())
+    got = run(bandit_config(tmp, "stuck", "async", backend_timeout_s=deadline), StuckOptimStep())
     got["deadline_s"] = deadline
     print(f"stuck optim_step: failed after {got['seconds']:.2f} s (deadline {deadline:g} s)")
     print(f"  {got['error']}")

@@ -40,7 +40,7 @@ async def sample_groups(
     config = backend.config
     engine, workflow = backend.rollout_engine(), resolve_workflow(config.workflow)
     defaults = config.sampling.train.model_dump()
-    deadlines = WorkflowDeadlines(config.trainer.workflow_timeout)
+    deadlines = WorkflowDeadlines(config.trainer.workflow_timeout_s)
     tasks = make_tasks(episodes // group_size, split="train", seed=0)
 
     async def one(index: int) -> Episode:

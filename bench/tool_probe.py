@@ -62,7 +62,7 @@ async def probe(
         workflow = resolve_workflow(config.workflow)
         settings = config.sampling.eval if greedy else config.sampling.train
         defaults = settings.model_dump()
-        deadlines = WorkflowDeadlines(config.trainer.workflow_timeout)
+        deadlines = WorkflowDeadlines(config.trainer.workflow_timeout_s)
         if greedy:  # the problems a run evaluates on (the config's `data.eval`)
             tasks = make_tasks(problems, split="eval")
         else:

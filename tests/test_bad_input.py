@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from unified.cli import main
+from unified.config import RENAMED_KEYS, load_config
+from unified.errors import ConfigError
 
 DEMO = Path(__file__).with_name("demo.yaml")
 RUN = "bandit-demo"
@@ -74,8 +76,12 @@ ROWS: dict[str, tuple[Setup, str]] = {
     "negative staleness": (override("async.max_staleness=-1"), "greater than or equal to 0"),
     "micro batch > batch": (override("trainer.micro_batch_size=99"), "micro_batch_size (99)"),
     "stall clock under an episode's": (
-        override("trainer.stall_timeout=30", "trainer.workflow_timeout=60"),
-        "trainer.stall_timeout (30) must exceed trainer.workflow_timeout (60)",
+        override("trainer.stall_timeout_s=30", "trainer.workflow_timeout_s=60"),
+        "trainer.stall_timeout_s (30) must exceed trainer.workflow_timeout_s (60)",
+    ),
+    "renamed key": (
+        override("trainer.workflow_timeout=60"),
+        "trainer.workflow_timeout was renamed trainer.workflow_timeout_s",
     ),
     "unknown mode": (override("mode=turbo"), "config key 'mode'"),
     "unknown loss": (override("trainer.loss=nope"), "config key 'trainer.loss'"),
@@ -169,6 +175,15 @@ def test_bad_input_is_one_line_exit_2_and_no_run_directory(
     assert expected in err, f"{row}: expected {expected!r} in: {err}"
     after = sorted((tmp_path / "runs").rglob("*")) if (tmp_path / "runs").exists() else []
     assert after == before, f"{row}: the run directory changed: {after}"
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED_KEYS))
+def test_a_renamed_key_is_refused_in_one_line_naming_the_new_key(old: str) -> None:
+    section, key = old.split(".")
+    with pytest.raises(ConfigError) as caught:
+        load_config({"workflow": "unified.testing:BanditWorkflow", section: {key: 5}})
+    expected = f"{old} was renamed {RENAMED_KEYS[old]}; write {RENAMED_KEYS[old]}=5"
+    assert str(caught.value) == expected, str(caught.value)
 
 
 def test_the_table_has_at_least_30_rows() -> None:

@@ -164,8 +164,8 @@ def test_the_tool_agent_trains_end_to_end(make_config: ConfigFactory, mode: str)
             "group_size": 2,
             "filter_groups": False,
             "eval_every": 2,
-            "workflow_timeout": 120,  # up to three model calls each, on a loaded 2-core CI machine
-            "stall_timeout": 300,
+            "workflow_timeout_s": 120,  # up to three model calls each, on a loaded 2-core CI
+            "stall_timeout_s": 300,
         },
         sampling={"train": {"max_tokens": 16}, "eval": {"max_tokens": 16}},
     )

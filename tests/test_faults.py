@@ -134,7 +134,7 @@ def test_forward_backward_is_never_retried(make_config: ConfigFactory) -> None:
 def test_a_backend_call_that_never_returns_ends_the_run_naming_who_waited_on_whom(
     make_config: ConfigFactory, mode: str
 ) -> None:
-    config = make_config(mode=mode, trainer={"backend_timeout": 0.5})
+    config = make_config(mode=mode, trainer={"backend_timeout_s": 0.5})
     started_at = time.monotonic()
     with pytest.raises(StallError) as caught:
         fit(config, StuckOptimStep())
@@ -142,7 +142,7 @@ def test_a_backend_call_that_never_returns_ends_the_run_naming_who_waited_on_who
     assert time.monotonic() - started_at < 10, "the run failed fast, it did not hang"
     for part in ("'bandit' optim_step", "0.5 s", "version=0", "generating=", "ready=", "step=0"):
         assert part in message, f"{part!r} missing from: {message}"
-    assert "trainer.backend_timeout" in message, "the message names the knob to change"
+    assert "trainer.backend_timeout_s" in message, "the message names the knob to change"
 
 
 def test_fit_returns_at_the_deadline_while_a_blocking_call_stays_stuck_in_its_thread(
@@ -153,7 +153,7 @@ def test_fit_returns_at_the_deadline_while_a_blocking_call_stays_stuck_in_its_th
     started_at = time.monotonic()
     try:
         with pytest.raises(StallError, match="optim_step"):
-            fit(make_config(trainer={"backend_timeout": 0.5}), StuckInThread())
+            fit(make_config(trainer={"backend_timeout_s": 0.5}), StuckInThread())
         assert time.monotonic() - started_at < 10, "fit returned, it did not wait for the thread"
         stuck = [t for t in threading.enumerate() if t.name.startswith("unified-blocking")]
         assert stuck and all(t.daemon for t in stuck), "the exit will not wait for it either"
@@ -177,7 +177,7 @@ def test_a_metrics_sink_stuck_for_good_ends_the_run_at_the_stall_timeout(
         log(self, step, metrics)
 
     monkeypatch.setattr(MetricsAggregator, "log", stuck_at_step_2)
-    trainer = {"save_every": 2, "stall_timeout": 1.5, "workflow_timeout": 1, "total_steps": 3}
+    trainer = {"save_every": 2, "stall_timeout_s": 1.5, "workflow_timeout_s": 1, "total_steps": 3}
     started_at = time.monotonic()
     try:
         with pytest.raises(StallError, match=r"writing the metrics of step 2 took over 1\.5 s"):
@@ -230,7 +230,7 @@ def test_flaky_and_hanging_workflows_are_counted_and_the_run_completes(
     config = make_config(
         mode=mode,
         workflow="unified.testing:FlakyWorkflow",
-        trainer={"total_steps": 10, "workflow_timeout": 0.3, "max_error_rate": 0.5},
+        trainer={"total_steps": 10, "workflow_timeout_s": 0.3, "max_error_rate": 0.5},
     )
     result = fit(config)
     rows = metric_rows(result.run_dir)

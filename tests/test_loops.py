@@ -312,7 +312,7 @@ def test_workflow_past_timeout_is_counted_as_a_timeout(make_config: ConfigFactor
         return Trajectory(steps=[Step(output=out, reward=reward)], reward=reward)
 
     config = make_config(
-        mode="async", trainer={"workflow_timeout": 0.2, "max_error_rate": 0.5, "total_steps": 6}
+        mode="async", trainer={"workflow_timeout_s": 0.2, "max_error_rate": 0.5, "total_steps": 6}
     )
     tasks = bandit_tasks(6)
     result = fit(config, BanditBackend(), workflow=stuck_on_one_task, train_tasks=tasks)
@@ -356,8 +356,8 @@ def test_weight_sync_never_waits_for_running_workflows(make_config: ConfigFactor
         mode="async",
         trainer={
             "total_steps": 6,
-            "stall_timeout": 5,
-            "workflow_timeout": 4,
+            "stall_timeout_s": 5,
+            "workflow_timeout_s": 4,
             "filter_groups": False,
         },
         async_={"max_staleness": 1, "sync_every": 1},

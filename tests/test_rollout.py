@@ -41,7 +41,7 @@ async def test_workflow_past_its_timeout_becomes_a_timeout_episode() -> None:
     episode, _ = await run_episode(
         stuck, TASK, engine(), rollout_index=0, version=0, deadlines=WorkflowDeadlines(0.05)
     )
-    assert episode.status == "timeout" and "workflow_timeout" in (episode.error or "")
+    assert episode.status == "timeout" and "workflow_timeout_s" in (episode.error or "")
 
 
 async def test_workflow_returning_the_wrong_type_is_an_error_episode() -> None:

@@ -40,8 +40,8 @@ def tinker_config(make_config: ConfigFactory) -> Any:
     def make(base_url: str | None = None, **sections: Any) -> dict[str, Any]:
         # A request waits behind the server's batch and its training step: generous deadlines.
         trainer = {
-            "batch_size": 4, "group_size": 4, "lr": 1e-2, "stall_timeout": 300,
-            "workflow_timeout": 120, **sections.pop("trainer", {}),
+            "batch_size": 4, "group_size": 4, "lr": 1e-2, "stall_timeout_s": 300,
+            "workflow_timeout_s": 120, **sections.pop("trainer", {}),
         }  # fmt: skip
         return make_config(
             backend="tinker",

@@ -45,8 +45,8 @@ def countdown_config(tmp_path: Path, **sections: Any) -> TrainerConfig:
             "eval_every": 0,
             "eval_before_train": False,
             "save_every": 2,
-            "stall_timeout": 600,
-            "workflow_timeout": 120,
+            "stall_timeout_s": 600,
+            "workflow_timeout_s": 120,
         },
         "sampling": {"train": {"temperature": 1.0, "max_tokens": 8}},
         "verl": {"num_workers": 2, "micro_batch_size": 4},
@@ -275,7 +275,7 @@ async def test_a_stuck_worker_call_does_not_keep_shutdown_from_stopping_the_grou
             await backend._call("a training step", group.train)
         await backend.shutdown()
         assert group.stopped and backend._group is None
-        # The trainer's own deadline (trainer.backend_timeout) cancels the call instead.
+        # The trainer's own deadline (trainer.backend_timeout_s) cancels the call instead.
         patient = VerlBackend()
         patient.settings = VerlConfig(call_timeout_s=60)
         second = StuckGroup()

@@ -116,8 +116,8 @@ def countdown_on_two_workers(make_config: ConfigFactory) -> dict[str, Any]:
             "group_size": GROUP,
             "lr": 1e-3,
             "filter_groups": False,
-            "workflow_timeout": 120,
-            "stall_timeout": 300,  # Ray actors start slowly on a loaded machine
+            "workflow_timeout_s": 120,
+            "stall_timeout_s": 300,  # Ray actors start slowly on a loaded machine
         },
         sampling={"train": {"max_tokens": 6}},
         rollout={"workers": 2, "worker_cpus": 0.5},
@@ -227,7 +227,7 @@ def test_a_model_call_whose_workflow_timed_out_in_a_worker_stops_in_the_trainer(
     """The workflow's timeout ends its episode in the worker; the trainer must stop sampling
     for it too, or the request runs to `max_tokens` while holding the sampler."""
     config = countdown_on_two_workers(make_config)
-    config["trainer"] |= {"workflow_timeout": 2}
+    config["trainer"] |= {"workflow_timeout_s": 2}
     backend = StuckFirstCall()
     result = UnifiedTrainer(config, backend=backend).fit()
     assert result.steps == STEPS and backend.held == 1
@@ -277,10 +277,10 @@ def test_episodes_past_a_workers_slots_wait_in_the_trainer_and_lose_no_worker(
     make_config: ConfigFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     """One worker with one slot and 8 episodes a step: queued inside the worker, the later ones
-    passed their deadline (workflow_timeout + stall_timeout, 9.5 s) while waiting, and the healthy
-    worker was killed as lost."""
+    passed their deadline (workflow_timeout_s + stall_timeout_s, 9.5 s) while waiting, and the
+    healthy worker was killed as lost."""
     config = countdown_on_two_workers(make_config)
-    config["trainer"] |= {"total_steps": 2, "workflow_timeout": 1.5, "stall_timeout": 8}
+    config["trainer"] |= {"total_steps": 2, "workflow_timeout_s": 1.5, "stall_timeout_s": 8}
     config["rollout"] = {"workers": 1, "worker_cpus": 0.5, "worker_concurrency": 1}
     config["async"] = {"max_concurrency": 16}
     result = UnifiedTrainer(config, workflow=SlowCountdown(), backend=LocalBackend()).fit()

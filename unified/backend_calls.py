@@ -2,7 +2,7 @@
 
 A backend call that never returns must end the run, not hang it: every call the trainer makes
 (`setup`, `forward_backward`, `optim_step`, `on_policy_updated`, checkpoints, `shutdown`) runs
-under `trainer.backend_timeout`, and when that passes the error names the call, the deadline and
+under `trainer.backend_timeout_s`, and when that passes the error names the call, the deadline and
 the pipeline's state (versions, groups in flight, ready, workflows running). Calls that are safe
 to repeat are retried after a `TransientBackendError` by `trainer.retry.<call>`; a reply that
 breaks the protocol (metrics that are not numbers) is a `BackendReplyError`.
@@ -66,7 +66,7 @@ class BackendCalls:
         describe: Callable[[], str] = _before_training,
     ) -> None:
         self.backend = backend
-        self.timeout_s = settings.backend_timeout
+        self.timeout_s = settings.backend_timeout_s
         self.describe = describe
         self._retry = settings.retry
 
@@ -85,7 +85,7 @@ class BackendCalls:
             raise StallError(
                 f"the trainer waited {self.timeout_s:g} s for backend "
                 f"{self.backend.name!r} {what}, which never returned ({self.describe()}); the "
-                "backend is stuck: check it, or raise trainer.backend_timeout if this call is "
+                "backend is stuck: check it, or raise trainer.backend_timeout_s if this call is "
                 "legitimately this slow"
             )
 
@@ -219,7 +219,7 @@ class DaemonExecutor(ThreadPoolExecutor):
     """The event loop's default executor in `UnifiedTrainer.fit`: `asyncio.to_thread` on daemon
     threads, reused while idle.
 
-    A backend's blocking call past `trainer.backend_timeout` is abandoned by the trainer; with
+    A backend's blocking call past `trainer.backend_timeout_s` is abandoned by the trainer; with
     the stock pool, `asyncio.run` (closing the loop) and the interpreter's exit would then wait
     for that thread forever. Here neither waits: `shutdown` returns at once. Unlike the stock
     pool it has no thread cap: concurrent calls each get a thread (a capped pool would queue

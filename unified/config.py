@@ -128,7 +128,7 @@ class TrainerSection(_Section):
         "policy is kept (false: only the save_every ones).",
     )
     seed: int = Field(0, description="Seed for data order and per-request sampling seeds.")
-    workflow_timeout: float = Field(
+    workflow_timeout_s: float = Field(
         60.0, gt=0, description="Seconds one workflow run may take before it becomes 'timeout'."
     )
     max_error_rate: float = Field(
@@ -137,13 +137,13 @@ class TrainerSection(_Section):
         le=1,
         description="Stop and re-raise when this fraction of episodes errors or times out.",
     )
-    stall_timeout: float = Field(
+    stall_timeout_s: float = Field(
         600.0,
         gt=0,
         description="Seconds any wait may go without progress (a group changing state, an "
-        "episode finishing) before it fails; must exceed workflow_timeout.",
+        "episode finishing) before it fails; must exceed workflow_timeout_s.",
     )
-    backend_timeout: float = Field(
+    backend_timeout_s: float = Field(
         900.0,
         gt=0,
         description="Seconds one backend call of the trainer (setup, forward_backward, "
@@ -291,11 +291,11 @@ class TrainerConfig(_Section):
                 f"trainer.keep_per_group ({t.keep_per_group}) must be <= trainer.group_size "
                 f"({t.group_size})"
             )
-        if t.stall_timeout <= t.workflow_timeout:
+        if t.stall_timeout_s <= t.workflow_timeout_s:
             raise ValueError(
-                f"trainer.stall_timeout ({t.stall_timeout:g}) must exceed "
-                f"trainer.workflow_timeout ({t.workflow_timeout:g}): a wait on episodes that "
-                "legitimately take that long would fail as a stall; raise trainer.stall_timeout"
+                f"trainer.stall_timeout_s ({t.stall_timeout_s:g}) must exceed "
+                f"trainer.workflow_timeout_s ({t.workflow_timeout_s:g}): a wait on episodes that "
+                "legitimately take that long would fail as a stall; raise trainer.stall_timeout_s"
             )
         if t.loss == "cross_entropy" and isinstance(t.tis_cap, float):
             raise ValueError(
@@ -321,6 +321,13 @@ class TrainerConfig(_Section):
 
 
 SectionT = TypeVar("SectionT", bound=BaseModel)
+
+# Keys that were renamed: the old spelling is refused with one line naming the new key.
+RENAMED_KEYS: dict[str, str] = {
+    "trainer.workflow_timeout": "trainer.workflow_timeout_s",
+    "trainer.stall_timeout": "trainer.stall_timeout_s",
+    "trainer.backend_timeout": "trainer.backend_timeout_s",
+}
 
 
 def check_rl_groups(config: TrainerConfig) -> None:
@@ -381,10 +388,23 @@ def load_config(
     else:
         raw = _read_yaml(Path(source))
     apply_overrides(raw, overrides)
+    _refuse_renamed_keys(raw)
     try:
         return TrainerConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_explain(e)) from None
+
+
+def _refuse_renamed_keys(raw: Mapping[str, Any]) -> None:
+    for old, new in RENAMED_KEYS.items():
+        node: Any = raw
+        for part in old.split("."):
+            node = node.get(part, _ABSENT) if isinstance(node, Mapping) else _ABSENT
+        if node is not _ABSENT:
+            raise ConfigError(f"{old} was renamed {new}; write {new}={node!r}")
+
+
+_ABSENT = object()
 
 
 def _deep_copy(mapping: Mapping[str, Any]) -> dict[str, Any]:
@@ -486,4 +506,9 @@ def reference_markdown() -> str:
             table(sub, f"{key}.")
 
     table(TrainerConfig, "")
+    out.extend(
+        ["", "## Renamed keys", "", "The old name is refused with a line naming the new one.", ""]
+    )
+    out.extend(["| old key | new key |", "|---|---|"])
+    out.extend(f"| `{old}` | `{new}` |" for old, new in RENAMED_KEYS.items())
     return "\n".join(out) + "\n"

@@ -163,7 +163,7 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
             config.sampling.eval,
             seed=config.trainer.seed,
             version=version,
-            timeout_s=config.trainer.workflow_timeout,
+            timeout_s=config.trainer.workflow_timeout_s,
             slots=WorkflowSlots.for_config(config),
         )
         return {**metrics, "eval/step": float(step)}

@@ -287,7 +287,7 @@ class TrajectoryGroupBuffer:
                     if self._progress_at + limit <= time.monotonic():
                         raise StallError(
                             f"waited {limit:g} s for {what} with no progress ({self.describe()}); "
-                            "raise trainer.stall_timeout if steps are legitimately this slow"
+                            "raise trainer.stall_timeout_s if steps are legitimately this slow"
                         ) from None
 
     def describe(self) -> str:

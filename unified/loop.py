@@ -103,7 +103,7 @@ class TrainingLoop:
             group_size=settings.group_size,
             advantage=settings.advantage,
             filter_groups=settings.filter_groups,
-            stall_timeout_s=settings.stall_timeout,
+            stall_timeout_s=settings.stall_timeout_s,
             keep_per_group=settings.keep_per_group,
         )
         self.slots = WorkflowSlots.for_config(config)
@@ -133,7 +133,7 @@ class TrainingLoop:
         self._ready_wait: asyncio.Timeout | None = None
         # Metrics reach their sinks on a thread of their own, in step order, off the training
         # path; `_drain_logs` waits for them before a checkpoint and in `close`.
-        # A daemon thread: a sink stuck for good (past `stall_timeout`) holds up no exit.
+        # A daemon thread: a sink stuck for good (past `stall_timeout_s`) holds up no exit.
         self._log_thread = DaemonWorker("unified-metrics")
         self._log_writes: deque[asyncio.Future[None]] = deque()
 
@@ -257,7 +257,7 @@ class TrainingLoop:
             return (
                 f"{what}, most of them failed, after {self.step} trained steps: the workflow "
                 "errs or times out (episodes/errors, episodes/timeouts and the log say which); fix "
-                "it, or raise trainer.workflow_timeout if episodes legitimately take longer"
+                "it, or raise trainer.workflow_timeout_s if episodes legitimately take longer"
             )
         if self.step == 0:
             return (
@@ -488,7 +488,7 @@ class TrainingLoop:
             self.config.sampling.eval,
             seed=settings.seed,
             version=self.coordinator.version,
-            timeout_s=settings.workflow_timeout,
+            timeout_s=settings.workflow_timeout_s,
             slots=self.slots,
         )
 
@@ -501,7 +501,8 @@ class TrainingLoop:
         self._log_writes.append(asyncio.wrap_future(write))
 
     async def _drain_logs(self) -> None:
-        """Wait until every metrics line handed to the sinks is written (within `stall_timeout`)."""
+        """Wait until every metrics line handed to the sinks is written (within
+        `stall_timeout_s`)."""
         writes, self._log_writes = self._log_writes, deque()
         async with self._sink_deadline("writing the metrics of step " + str(self.step)):
             outcomes = await asyncio.gather(*writes, return_exceptions=True)
@@ -522,9 +523,9 @@ class TrainingLoop:
 
     @asynccontextmanager
     async def _sink_deadline(self, what: str) -> AsyncIterator[None]:
-        """`trainer.stall_timeout` for a wait on the metrics sinks (a W&B or network-filesystem
+        """`trainer.stall_timeout_s` for a wait on the metrics sinks (a W&B or network-filesystem
         write that never returns must end the run, not hang it)."""
-        timeout_s = self.config.trainer.stall_timeout
+        timeout_s = self.config.trainer.stall_timeout_s
         deadline = asyncio.timeout(timeout_s)
         try:
             async with deadline:
@@ -534,7 +535,7 @@ class TrainingLoop:
                 raise
             raise StallError(
                 f"{what} took over {timeout_s:g} s: a metrics sink (W&B, TensorBoard, or the "
-                "disk of the run directory) is stuck; check it, or raise trainer.stall_timeout"
+                "disk of the run directory) is stuck; check it, or raise trainer.stall_timeout_s"
             ) from None
 
     async def _save(self) -> None:

@@ -321,7 +321,7 @@ def rollout_executor(
     """The executor `rollout.workers` asks for: in process (0), or on that many Ray workers."""
     sampling = config.sampling.train.model_dump()
     if config.rollout.workers == 0:
-        deadlines = WorkflowDeadlines(config.trainer.workflow_timeout)
+        deadlines = WorkflowDeadlines(config.trainer.workflow_timeout_s)
         return InProcessRollouts(workflow, backend.rollout_engine, sampling, deadlines)
     try:
         from unified.workers import WorkerPool  # imports Ray, only when asked for
@@ -337,7 +337,7 @@ def rollout_executor(
 def _timed_out(
     task: Task, index: int, version: int, timeout_s: float
 ) -> tuple[Episode, BaseException]:
-    message = f"workflow ran past workflow_timeout={timeout_s:g} s"
+    message = f"workflow ran past workflow_timeout_s={timeout_s:g} s"
     return _failed(task, index, version, "timeout", message), TimeoutError(message)
 
 

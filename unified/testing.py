@@ -286,7 +286,7 @@ def _draw(task: Task, model: RolloutEngine) -> float:
 
 class FlakyWorkflow(BanditWorkflow):
     """The bandit workflow, but 10% of runs raise and 5% hang until their timeout: checks
-    `trainer.max_error_rate` and `trainer.workflow_timeout`. Faults are keyed on the task and
+    `trainer.max_error_rate` and `trainer.workflow_timeout_s`. Faults are keyed on the task and
     the request seed."""
 
     error_rate = 0.10
@@ -303,7 +303,7 @@ class FlakyWorkflow(BanditWorkflow):
 
 class StuckOptimStep(BanditBackend):
     """`optim_step` never returns (an awaited reply that never comes): checks
-    `trainer.backend_timeout`."""
+    `trainer.backend_timeout_s`."""
 
     async def optim_step(self) -> dict[str, float]:
         await asyncio.Event().wait()

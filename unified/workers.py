@@ -212,9 +212,9 @@ class WorkerPool:
         self._workflow = workflow
         self._backend = backend
         self._sampling = sampling
-        self._workflow_timeout_s = config.trainer.workflow_timeout
+        self._workflow_timeout_s = config.trainer.workflow_timeout_s
         # A call to a worker that passes this without a reply means the worker is stuck.
-        self._call_timeout_s = config.trainer.stall_timeout
+        self._call_timeout_s = config.trainer.stall_timeout_s
         workers = self._settings.workers
         self._concurrency = self._settings.worker_concurrency or -(
             -config.async_.max_concurrency // workers
@@ -428,7 +428,7 @@ class WorkerPool:
             except TimeoutError:
                 raise WorkerError(
                     f"no rollout worker was live for {2 * self._call_timeout_s:g} s "
-                    "(twice trainer.stall_timeout); see the Ray logs"
+                    "(twice trainer.stall_timeout_s); see the Ray logs"
                 ) from None
         return min(self._live, key=_in_flight)
 

@@ -274,7 +274,7 @@ class LocalBackend(BackendProtocol):
             threads=self._threads.sampler,
             prefix_cache_mb=s.prefix_cache_mb,
             parallel=s.sampler_batches or self._sampler_batches,
-            load_timeout_s=config.trainer.backend_timeout,
+            load_timeout_s=config.trainer.backend_timeout_s,
         )
         self.tis_cap = resolve_tis_cap(config, self.capabilities)
         self.reference = None

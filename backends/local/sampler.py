@@ -379,7 +379,8 @@ class BatchingSampler:
                     raise BackendError(
                         f"a weight load waited {self.load_timeout_s:g} s for "
                         f"{standby.batches} sampling batch(es) still running on older weights; a "
-                        "batch is stuck, or raise trainer.backend_timeout if batches run this long"
+                        "batch is stuck, or raise trainer.backend_timeout_s if batches run this "
+                        "long"
                     )
             with torch.no_grad():
                 copy_weights(standby.model, state_dict)

@@ -101,7 +101,7 @@ def main() -> None:
 
     import ray
 
-    from unified.workers import start_local_ray
+    from unified.ray_runtime import start_local_ray
 
     start_local_ray(max(args.workers, os.cpu_count() or 1))
     try:

@@ -10,14 +10,15 @@ import threading
 
 import pytest
 
-from unified.backend_calls import BackendCalls, DaemonWorker, run_status
+from unified.backend_calls import BackendCalls, run_status
 from unified.config import TrainerSection
 from unified.errors import TrainingInterrupted
 from unified.testing import BanditBackend
+from unified.threads import DaemonWorker
 
 STUCK_CALL = """
 import asyncio, threading
-from unified.backend_calls import {runner}
+from unified.threads import {runner}
 
 async def main():
     stuck = threading.Event()

@@ -33,7 +33,7 @@ STEPS, BATCH, GROUP = 2, 2, 4
 
 @pytest.fixture(scope="module")
 def private_ray() -> Iterator[None]:
-    from unified.workers import start_local_ray
+    from unified.ray_runtime import start_local_ray
 
     start_local_ray(num_cpus=2)
     yield
@@ -342,7 +342,7 @@ def test_a_trainer_process_joins_an_existing_cluster_through_ray_address(
 def test_a_ray_start_that_timed_out_is_tried_once_more(monkeypatch: pytest.MonkeyPatch) -> None:
     # Ray gives its raylet a fixed 30 s at start-up; a loaded machine can miss it. Nothing is
     # started here: `ray.init` answers as a start that timed out, then as one that worked.
-    from unified.workers import init_ray
+    from unified.ray_runtime import init_ray
 
     calls: list[dict[str, Any]] = []
     shutdowns: list[bool] = []
@@ -360,7 +360,7 @@ def test_a_ray_start_that_timed_out_is_tried_once_more(monkeypatch: pytest.Monke
 
 
 def test_a_ray_start_that_failed_otherwise_raises_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from unified.workers import init_ray
+    from unified.ray_runtime import init_ray
 
     def init(**settings: Any) -> None:
         raise ConnectionError("could not connect to 10.0.0.9:6379")

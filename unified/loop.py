@@ -29,18 +29,20 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
-from unified.backend_calls import BackendCalls, DaemonWorker, finite
+from unified.backend_calls import BackendCalls, finite
 from unified.checkpoint import RunDirectory, TrainerState
 from unified.config import TrainerConfig
 from unified.coordinator import SyncCoordinator
 from unified.data import TaskSampler
 from unified.errors import StallError, TrainingStopped
 from unified.evaluation import episode_tool_calls, evaluate
+from unified.executors import rollout_executor
 from unified.groups import EndedGroup, GroupTicket, TrajectoryGroupBuffer
 from unified.metrics import MetricsAggregator
 from unified.protocol import BackendProtocol
-from unified.rollout import WorkflowFn, WorkflowSlots, rollout_executor
+from unified.rollout import WorkflowFn, WorkflowSlots
 from unified.schedule import learning_rate
+from unified.threads import DaemonWorker
 from unified.types import Episode, Task, TrajectoryGroup
 
 __all__ = ["TrainingLoop"]

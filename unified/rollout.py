@@ -26,7 +26,6 @@ from unified.types import Episode, EpisodeStatus, ModelOutput, SamplingParams, T
 
 if TYPE_CHECKING:
     from unified.config import TrainerConfig
-    from unified.protocol import BackendProtocol
 
 __all__ = [
     "EpisodeResult",
@@ -38,7 +37,6 @@ __all__ = [
     "WorkflowSlots",
     "required_fields",
     "resolve_workflow",
-    "rollout_executor",
     "run_episode",
 ]
 
@@ -313,25 +311,6 @@ class InProcessRollouts:
             deadlines=self._deadlines,
         )
         return episode, error, engine.completion_tokens
-
-
-def rollout_executor(
-    config: TrainerConfig, workflow: WorkflowFn, backend: BackendProtocol
-) -> RolloutExecutor:
-    """The executor `rollout.workers` asks for: in process (0), or on that many Ray workers."""
-    sampling = config.sampling.train.model_dump()
-    if config.rollout.workers == 0:
-        deadlines = WorkflowDeadlines(config.trainer.workflow_timeout_s)
-        return InProcessRollouts(workflow, backend.rollout_engine, sampling, deadlines)
-    try:
-        from unified.workers import WorkerPool  # imports Ray, only when asked for
-    except ImportError as e:
-        raise UsageError(
-            f"rollout.workers={config.rollout.workers} needs Ray ({e}); install it "
-            "(pip install 'unified[verl]' brings it) or set rollout.workers=0"
-        ) from e
-
-    return WorkerPool(config, workflow, backend, sampling)
 
 
 def _timed_out(

@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from unified.backend_calls import BackendCalls, DaemonExecutor
+from unified.backend_calls import BackendCalls
 from unified.checkpoint import RunDirectory, TrainerState
 from unified.config import TrainerConfig, check_rl_groups, load_config
 from unified.data import TaskSampler, check_fields, load_eval_tasks, load_tasks
@@ -33,6 +33,7 @@ from unified.metrics import metrics_for
 from unified.model_provider import model_provider, resolve_model
 from unified.protocol import BackendProtocol, check_capabilities, create_backend
 from unified.rollout import WorkflowFn, required_fields, resolve_workflow
+from unified.threads import DaemonExecutor
 from unified.types import Task
 
 __all__ = ["TrainResult", "TrainingInterrupted", "TrainingStopped", "UnifiedTrainer"]

@@ -31,6 +31,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from unified.config import TrainerConfig
 from unified.errors import WorkerError, WorkflowError
 from unified.protocol import BackendProtocol, RolloutEngine, Tokenizer
+from unified.ray_runtime import start_local_ray
 from unified.rollout import (
     EpisodeResult,
     InProcessRollouts,
@@ -40,7 +41,7 @@ from unified.rollout import (
 )
 from unified.types import Episode, ModelOutput, Task
 
-__all__ = ["RolloutWorker", "WorkerPool", "init_ray", "start_local_ray"]
+__all__ = ["RolloutWorker", "WorkerPool"]
 
 log = logging.getLogger(__name__)
 
@@ -437,36 +438,6 @@ def _failed(task: Task, index: int, version: int, message: str) -> Episode:
     return Episode(
         task_id=task.id, rollout_index=index, status="error", error=message, policy_version=version
     )
-
-
-def start_local_ray(num_cpus: int) -> None:
-    """Start a private Ray on 127.0.0.1 with `num_cpus` CPUs (blocking: seconds to a minute).
-
-    Its workers run at the trainer's priority: Ray's default (`nice` +15) would hand their
-    workflows' CPU to any other process on a busy machine.
-    """
-    init_ray(
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-        _system_config={"worker_niceness": 0},
-    )
-
-
-def init_ray(**settings: Any) -> None:
-    """`ray.init(**settings)`, tried once more if the node did not start in time.
-
-    Ray gives its raylet a fixed 30 s to register at start-up, which a loaded machine can miss.
-    """
-    try:
-        ray.init(**settings)
-    except Exception as e:
-        if "timed out during startup" not in str(e):
-            raise
-        log.warning("Ray did not start in time (%s); trying once more", e)
-        ray.shutdown()
-        ray.init(**settings)
 
 
 def _in_flight(worker: _Worker) -> int:

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from unified.backend_calls import in_daemon_thread
+from unified.threads import in_daemon_thread
 from unified.types import Task
 from workflows.multi_turn import Environment, MultiTurnWorkflow, Observation
 from workflows.tool_calls import ToolCall, parse_tool_calls, tools_prompt

@@ -41,12 +41,12 @@ from backends.tinker.datums import (
     to_datum,
 )
 from backends.tinker.server_process import ServerProcess
-from unified.backend_calls import in_daemon_thread
 from unified.config import TrainerConfig
 from unified.errors import BackendError, ConfigError, TransientBackendError, UsageError
 from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine, RunStatus
 from unified.redaction import register
 from unified.retry import NO_RETRY, retrying
+from unified.threads import in_daemon_thread
 from unified.types import ModelOutput, SamplingParams, TrajectoryGroup
 
 __all__ = ["TinkerBackend", "TinkerEngine"]

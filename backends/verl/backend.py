@@ -44,10 +44,10 @@ from backends.verl.config import (
 from backends.verl.convert import Row, groups_to_rows, rows_to_batch
 from backends.verl.weights import tied_aliases
 from backends.verl.worker_group import PolicyGroup
-from unified.backend_calls import DaemonWorker, in_daemon_thread
 from unified.config import TrainerConfig
 from unified.errors import BackendError, UsageError
 from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
+from unified.threads import DaemonWorker, in_daemon_thread
 from unified.types import TrajectoryGroup
 
 __all__ = ["VerlBackend"]

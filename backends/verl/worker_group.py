@@ -64,7 +64,7 @@ class PolicyGroup:
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
         from backends.verl.worker import PolicyWorker
-        from unified.workers import init_ray
+        from unified.ray_runtime import init_ray
 
         env = self._worker_environment()
         if self.device == "cpu":

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from unified.config import reference_markdown
+from unified.reference import fill_backend_sections, marked_backends
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -13,6 +14,17 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_configuration_reference_is_generated_from_the_schema() -> None:
     written = (ROOT / "docs" / "configuration.md").read_text()
     assert written == reference_markdown(), "regenerate docs/configuration.md (see its header)"
+
+
+def test_backend_section_tables_are_generated_from_their_models() -> None:
+    docs = sorted((ROOT / "docs").rglob("*.md"))
+    marked = {name for path in docs for name in marked_backends(path.read_text())}
+    assert {"local", "tinker", "verl"} <= marked, f"each backend's table is marked; got {marked}"
+    for path in docs:
+        text = path.read_text()
+        assert text == fill_backend_sections(text), (
+            f"regenerate the tables of {path.relative_to(ROOT)}: python -m unified.reference"
+        )
 
 
 def test_ci_runs_exactly_the_readme_test_command() -> None:

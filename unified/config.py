@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from types import UnionType
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -481,34 +482,49 @@ def reference_markdown() -> str:
         "`unified train run.yaml trainer.batch_size=16 async.max_staleness=2`.",
         "",
     ]
-
-    def table(model: type[BaseModel], prefix: str) -> None:
-        nested: list[tuple[str, type[BaseModel]]] = []
-        out.extend(["| key | type | default | meaning |", "|---|---|---|---|"])
-        for name, field in model.model_fields.items():
-            key = f"{prefix}{field.alias or name}"
-            ann = field.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                nested.append((key, ann))
-                continue
-            plain = isinstance(ann, type) and not getattr(ann, "__args__", None)
-            kind = ann.__name__ if plain else str(ann).replace("typing.", "")  # type: ignore[union-attr]
-            kind = kind.replace("|", "\\|")
-            default = (
-                "required"
-                if field.is_required()
-                else repr(field.get_default(call_default_factory=True))
-            )
-            text = (field.description or "").replace("|", "\\|")
-            out.append(f"| `{key}` | `{kind}` | `{default}` | {text} |")
-        for key, sub in nested:
-            out.extend(["", f"## `{key}`", "", (sub.__doc__ or "").strip(), ""])
-            table(sub, f"{key}.")
-
-    table(TrainerConfig, "")
+    out.extend(schema_tables(TrainerConfig, ""))
     out.extend(
         ["", "## Renamed keys", "", "The old name is refused with a line naming the new one.", ""]
     )
     out.extend(["| old key | new key |", "|---|---|"])
     out.extend(f"| `{old}` | `{new}` |" for old, new in RENAMED_KEYS.items())
     return "\n".join(out) + "\n"
+
+
+def schema_tables(model: type[BaseModel], prefix: str) -> list[str]:
+    """Markdown lines: a table of `model`'s keys (each under `prefix`), then one section per
+    nested model. The config reference and the backend sections' tables in docs/ are these."""
+    nested: list[tuple[str, type[BaseModel]]] = []
+    out = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{field.alias or name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            nested.append((key, ann))
+            continue
+        kind = _type_name(ann).replace("|", "\\|")
+        default = (
+            "required"
+            if field.is_required()
+            else repr(field.get_default(call_default_factory=True))
+        )
+        text = (field.description or "").replace("|", "\\|")
+        out.append(f"| `{key}` | `{kind}` | `{default}` | {text} |")
+    for key, sub in nested:
+        out.extend(["", f"## `{key}`", "", (sub.__doc__ or "").strip(), ""])
+        out.extend(schema_tables(sub, f"{key}."))
+    return out
+
+
+def _type_name(ann: Any) -> str:
+    """A field's type as a reader writes it: `int | None`, `Literal['cpu', 'cuda']`, `Path`."""
+    args = get_args(ann)
+    if get_origin(ann) in (Union, UnionType):
+        return " | ".join(_type_name(arg) for arg in args)
+    if get_origin(ann) is Literal:
+        return f"Literal[{', '.join(repr(arg) for arg in args)}]"
+    if ann is type(None):
+        return "None"
+    if isinstance(ann, type) and not args:
+        return ann.__name__
+    return str(ann).replace("typing.", "")

@@ -28,6 +28,7 @@ __all__ = [
     "RolloutEngine",
     "RunStatus",
     "Tokenizer",
+    "backend_class",
     "check_capabilities",
     "create_backend",
     "resolve_tis_cap",
@@ -166,6 +167,11 @@ class BackendProtocol(ABC):
 
 def create_backend(spec: str) -> BackendProtocol:
     """Instantiate a backend by registry name (entry point group `unified.backends`) or path."""
+    return backend_class(spec)()
+
+
+def backend_class(spec: str) -> type[BackendProtocol]:
+    """A backend's class by registry name (entry point group `unified.backends`) or path."""
     from importlib.metadata import entry_points
 
     from unified.errors import UsageError
@@ -190,7 +196,7 @@ def create_backend(spec: str) -> BackendProtocol:
             ) from e
     if not (isinstance(cls, type) and issubclass(cls, BackendProtocol)):
         raise UsageError(f"backend {spec!r} is not a BackendProtocol subclass")
-    return cls()
+    return cls
 
 
 def check_capabilities(config: TrainerConfig, backend: BackendProtocol) -> None:

@@ -57,7 +57,7 @@ class LocalConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda if available.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda if available.")
     threads: int | None = Field(
         None, ge=1, description="torch CPU threads of sampling and training (default: torch's)."
     )

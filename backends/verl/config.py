@@ -120,7 +120,11 @@ class VerlConfig(BaseModel):
         description="Ray cluster to join ('auto' or host:port, after `ray start` on each node); "
         "null starts a private Ray on 127.0.0.1.",
     )
-    num_workers: int = Field(2, ge=1, description="Training worker processes (data parallel).")
+    num_workers: int = Field(
+        2,
+        ge=1,
+        description="Training worker processes (data parallel); one GPU each on a GPU machine.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the workers train: cuda when a GPU is visible, else cpu."
     )
@@ -153,13 +157,17 @@ class VerlConfig(BaseModel):
         "by prompts that extend them (as `local.prefix_cache_mb`); 0: off.",
     )
     call_timeout_s: float = Field(
-        1800.0, gt=0, description="Seconds one worker-group call may take before it fails."
+        1800.0,
+        gt=0,
+        description="Seconds one worker-group call may take before it fails (the calls run on "
+        "one daemon thread: one stuck past it is abandoned and does not hold the process's exit).",
     )
     extra_overrides: list[str] = Field(
         default_factory=list,
         description="Hydra overrides of verl's ppo_trainer config, applied last (key=value); "
         "only keys that reach verl's workers (actor_rollout_ref.model/actor/ref, "
-        "actor_rollout_ref.rollout.log_prob_*).",
+        "actor_rollout_ref.rollout.log_prob_*), e.g. "
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True.",
     )
 
     @field_validator("extra_overrides")

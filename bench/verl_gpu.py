@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends.local.builtin import BUILTIN_SIZES, build_tokenizer, save_policy
+from torchkit.builtin import BUILTIN_SIZES, build_tokenizer, save_policy
 
 # Qwen2-0.5B's config.json, less what only matters past our 512-token sequences.
 QWEN2_0_5B: dict[str, Any] = {

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from backends.local.backend import LocalBackend, _Row
-from backends.local.builtin import build_tokenizer, chat_prompt_ids
 from tests.bandit import BanditBackend, BanditEngine
+from torchkit.builtin import build_tokenizer, chat_prompt_ids
 from unified.config import load_config
 from unified.protocol import RolloutEngine
 from unified.types import ModelOutput, Task, TrajectoryGroup

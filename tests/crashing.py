@@ -23,8 +23,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Literal
 
-from backends.local.backend import LocalBackend, LocalEngine
+from backends.local.backend import LocalBackend
 from examples.countdown.workflow import CountdownWorkflow
+from torchkit.engine import LocalEngine
 from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig, load_config
 from unified.data import TaskSampler, load_tasks

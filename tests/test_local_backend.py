@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from backends.local import sampler as sampler_module
 from backends.local.backend import LocalBackend, split_threads
-from backends.local.builtin import load_policy
-from backends.local.decoding import GROUP_OVERHEAD, group_overhead, prefill_groups
 from tests.conftest import ConfigFactory
+from torchkit import sampler as sampler_module
+from torchkit.builtin import load_policy
+from torchkit.decoding import GROUP_OVERHEAD, group_overhead, prefill_groups
 from unified import UnifiedTrainer
 from unified.config import TrainerConfig, load_config
 from unified.errors import BackendError, CapabilityError, ConfigError, UsageError
@@ -264,7 +264,7 @@ async def test_a_batch_stops_decoding_the_requests_whose_callers_gave_up(
 ) -> None:
     """A workflow past its timeout, or a run stopping, cancels its requests: their batch must not
     decode them to max_tokens, holding the sampler (sync mode runs one batch at a time)."""
-    from backends.local import sampler as sampler_module
+    from torchkit import sampler as sampler_module
 
     monkeypatch.setattr(sampler_module, "_end_tokens", lambda model, tokenizer: set())
     batches: list[list[ModelOutput]] = []
@@ -597,7 +597,7 @@ async def test_local_full_kl_takes_the_vocabulary_wide_log_probs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from backends.local import backend as backend_module
-    from backends.local.losses import full_kl
+    from torchkit.losses import full_kl
 
     seen: list[tuple[torch.Size, torch.Size, float | None]] = []
 
@@ -644,7 +644,7 @@ async def test_local_kl_clamp_reaches_the_kl_term(
 ) -> None:
     """The math of both forms is checked against verl's in test_verl_parity.py."""
     from backends.local import backend as backend_module
-    from backends.local.losses import kl_penalty
+    from torchkit.losses import kl_penalty
 
     clamps = []
 

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from backends.local.builtin import load_policy, save_policy
 from backends.verl.config import (
     compose_verl_config,
     hydra_overrides,
@@ -15,6 +14,7 @@ from backends.verl.config import (
     reference_worker_config,
     training_worker_config,
 )
+from torchkit.builtin import load_policy, save_policy
 from unified.config import TrainerConfig, load_config
 from unified.errors import ConfigError
 

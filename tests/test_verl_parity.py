@@ -14,8 +14,6 @@ from verl.trainer.ppo.core_algos import kl_penalty as verl_kl_penalty
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
-from backends.local.builtin import load_policy, save_policy
-from backends.local.losses import kl_penalty, per_token_loss, token_weights
 from backends.verl.algorithms import (
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
@@ -30,6 +28,8 @@ from backends.verl.config import (
     training_worker_config,
 )
 from backends.verl.convert import Row, rows_to_batch, to_no_padding
+from torchkit.builtin import load_policy, save_policy
+from torchkit.losses import kl_penalty, per_token_loss, token_weights
 from unified.advantages import compute_advantages
 from unified.config import load_config
 

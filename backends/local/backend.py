@@ -5,38 +5,41 @@ The trainer model learns; the sampler holds its own copy of the weights that onl
 `train/kl_sample_train` measures that gap. A sync swaps the new weights in between sampler
 batches (a running batch finishes on the old ones, or with `async.partial_rollout` is cut and
 continues on the new ones), so it waits for no request. Stale tokens are corrected by truncated
-importance sampling (`trainer.tis_cap`, on by default in async mode; see `losses.py`). Gradients of
-several `forward_backward` calls accumulate until `optim_step` (AdamW, gradient clipping). Every
-blocking call runs in a worker thread; in async mode the KL reference is scored in one more,
-beside the policy's pass (`local.overlap_reference`). Checkpoints are safetensors: model,
-sampler, optimizer and RNG.
+importance sampling (`trainer.tis_cap`, on by default in async mode; see `torchkit/losses.py`).
+Gradients of several `forward_backward` calls accumulate until `optim_step` (AdamW, gradient
+clipping). Every blocking call runs in a worker thread; in async mode the KL reference is scored
+in one more, beside the policy's pass (`local.overlap_reference`). Checkpoints are safetensors:
+model, sampler (`torchkit/snapshots.py`), optimizer and RNG. The torch pieces (sampler, losses,
+built-in models, the rollout engine) are the torch kit's (`torchkit/`), shared with verl and the
+Tinker-compatible server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar, Literal, NamedTuple, Protocol
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
-from backends.local.builtin import chat_prompt_ids, check_model_spec, load_policy, save_policy
-from backends.local.losses import (
+from torchkit.builtin import check_model_spec, load_policy, save_policy
+from torchkit.engine import LocalEngine
+from torchkit.losses import (
     LossAggregation,
     full_kl,
     kl_penalty,
     per_token_loss,
     token_weights,
 )
-from backends.local.sampler import BatchingSampler
+from torchkit.sampler import BatchingSampler
+from torchkit.snapshots import contiguous, load_sampler, read_meta, save_sampler
 from unified.config import TrainerConfig, backend_section
 from unified.errors import BackendError, ConfigError
 from unified.model_provider import is_model_provider
@@ -44,12 +47,11 @@ from unified.protocol import (
     BackendCapabilities,
     BackendProtocol,
     RolloutEngine,
-    Tokenizer,
     resolve_tis_cap,
 )
-from unified.types import ModelOutput, SamplingParams, TrajectoryGroup
+from unified.types import ModelOutput, TrajectoryGroup
 
-__all__ = ["LocalBackend", "LocalConfig", "LocalEngine", "SamplerHost", "Threads", "split_threads"]
+__all__ = ["LocalBackend", "LocalConfig", "Threads", "split_threads"]
 
 
 class LocalConfig(BaseModel):
@@ -187,39 +189,6 @@ class _Row:
     def tokens(self) -> int:
         """Completion tokens scored in this row."""
         return sum(len(s.completion) for s in self.samples)
-
-
-class SamplerHost(Protocol):
-    """What `LocalEngine` samples through: a tokenizer and a `BatchingSampler` (local, verl)."""
-
-    tokenizer: Any
-    sampler: BatchingSampler
-
-
-class LocalEngine(RolloutEngine):
-    """Chat template + the batching sampler."""
-
-    def __init__(self, backend: SamplerHost) -> None:
-        self._backend = backend
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._backend.tokenizer  # type: ignore[no-any-return]
-
-    def encode_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
-    ) -> list[int]:
-        return chat_prompt_ids(
-            self._backend.tokenizer, messages, add_generation_prompt=add_generation_prompt
-        )
-
-    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
-        return await self.complete(self.encode_chat(messages), **sampling)
-
-    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
-        return await self._backend.sampler.generate(
-            prompt_ids, SamplingParams.model_validate(sampling)
-        )
 
 
 class LocalBackend(BackendProtocol):
@@ -512,8 +481,7 @@ class LocalBackend(BackendProtocol):
 
     def _save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        save_file(_contiguous(self.model.state_dict()), directory / "model.safetensors")
-        save_file(_contiguous(self.sampler.model.state_dict()), directory / "sampler.safetensors")
+        save_file(contiguous(self.model.state_dict()), directory / "model.safetensors")
         state = self.optimizer.state_dict()
         tensors = {
             f"state.{index}.{name}": value
@@ -521,9 +489,8 @@ class LocalBackend(BackendProtocol):
             for name, value in entry.items()
         }
         tensors["rng.torch"] = torch.get_rng_state()
-        save_file(_contiguous(tensors), directory / "optimizer.safetensors")
-        meta = {"param_groups": state["param_groups"], "sampler_version": self.sampler.version}
-        (directory / "backend.json").write_text(json.dumps(meta))
+        save_file(contiguous(tensors), directory / "optimizer.safetensors")
+        save_sampler(self.sampler, directory, param_groups=state["param_groups"])
 
     async def load_checkpoint(self, directory: Path) -> None:
         await self.sampler.wait_idle()
@@ -535,9 +502,8 @@ class LocalBackend(BackendProtocol):
             self.model.load_state_dict(weights)
         except RuntimeError as e:
             raise BackendError(f"checkpoint {directory} does not match the model: {e}") from e
-        meta = json.loads((directory / "backend.json").read_text())
-        sampler_weights = load_file(directory / "sampler.safetensors")
-        self.sampler.load_weights(sampler_weights, meta["sampler_version"])
+        meta = read_meta(directory)
+        load_sampler(self.sampler, directory, meta)
         tensors = load_file(directory / "optimizer.safetensors")
         torch.set_rng_state(tensors.pop("rng.torch"))
         state: dict[int, dict[str, torch.Tensor]] = {}
@@ -573,8 +539,3 @@ class LocalBackend(BackendProtocol):
             return False
         self._training.release()
         return True
-
-
-def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # Clones: safetensors refuses tensors that share storage (tied embeddings do).
-    return {k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}

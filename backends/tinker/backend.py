@@ -30,8 +30,6 @@ from pydantic import BaseModel
 from tinker.lib.base_url import resolve_base_url
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from backends.local.backend import LocalEngine
-from backends.local.builtin import load_tokenizer
 from backends.tinker.config import TinkerConfig
 from backends.tinker.datums import (
     TokenSequence,
@@ -41,6 +39,8 @@ from backends.tinker.datums import (
     to_datum,
 )
 from backends.tinker.server_process import ServerProcess
+from torchkit.builtin import load_tokenizer
+from torchkit.engine import LocalEngine
 from unified.backend_calls import in_daemon_thread
 from unified.config import TrainerConfig
 from unified.errors import BackendError, ConfigError, TransientBackendError, UsageError

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from backends.local.sampler import BatchingSampler
 from backends.tinker.training import UserError
 from backends.tinker.wire import SampledTokens
+from torchkit.sampler import BatchingSampler
 from unified.errors import UsageError
 from unified.types import SamplingParams
 

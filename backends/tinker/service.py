@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends.local.builtin import is_builtin, load_policy
 from backends.tinker.futures import Outcome
 from backends.tinker.sampling import SamplerPool, untied_copy
 from backends.tinker.training import AdamSettings, LoraSpec, TrainingModel, UserError
@@ -27,6 +26,7 @@ from backends.tinker.wire import (
     encode_forward_backward_output,
     encode_sample_response,
 )
+from torchkit.builtin import is_builtin, load_policy
 
 __all__ = ["LocalTinker"]
 

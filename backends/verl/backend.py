@@ -5,7 +5,7 @@ Training is verl's: `forward_backward` turns groups into verl's batch rows and s
 and the optimizer step in one call, so streamed accumulation is exact: one update per step). With
 `trainer.kl_coef > 0` the workers also hold a frozen reference (verl's `ref` role, the initial
 weights): `optim_step` first scores the rows with it, and verl's KL loss uses those log-probs.
-Sampling is the local backend's `BatchingSampler` on its own copy of the weights (verl's vLLM/
+Sampling is the torch kit's `BatchingSampler` on its own copy of the weights (verl's vLLM/
 SGLang servers are not wired in yet, on any device). `on_policy_updated(v)` gathers the trained
 weights from the workers and loads them into the sampler's spare copy, which it swaps in: a batch
 running at the sync finishes on its own weights, and the sync waits for no workflow. Checkpoints
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -25,12 +24,8 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 from pydantic import BaseModel
-from safetensors.torch import load_file, save_file
 from verl import DataProto
 
-from backends.local.backend import LocalEngine
-from backends.local.builtin import is_builtin, load_policy, save_policy
-from backends.local.sampler import BatchingSampler
 from backends.verl.config import (
     VerlConfig,
     compose_verl_config,
@@ -44,6 +39,10 @@ from backends.verl.config import (
 from backends.verl.convert import Row, groups_to_rows, rows_to_batch
 from backends.verl.weights import tied_aliases
 from backends.verl.worker_group import PolicyGroup
+from torchkit.builtin import is_builtin, load_policy, save_policy
+from torchkit.engine import LocalEngine
+from torchkit.sampler import BatchingSampler
+from torchkit.snapshots import load_sampler, read_meta, save_sampler
 from unified.backend_calls import DaemonWorker, in_daemon_thread
 from unified.config import TrainerConfig
 from unified.errors import BackendError, UsageError
@@ -262,16 +261,10 @@ class VerlBackend(BackendProtocol):
 
     def _save_sampler(self, directory: Path) -> None:
         (directory / _TRACKER).write_text(str(self.steps))
-        state = self.sampler.model.state_dict()
-        # Clones: safetensors refuses tensors that share storage (tied embeddings do).
-        weights = {k: v.detach().cpu().clone().contiguous() for k, v in state.items()}
-        save_file(weights, directory / "sampler.safetensors")
-        meta = {
-            "sampler_version": self.sampler.version,
-            "steps": self.steps,
-            "num_workers": self.settings.num_workers,  # verl saves one shard per worker
-        }
-        (directory / "backend.json").write_text(json.dumps(meta))
+        # verl saves one shard per worker: a resume needs as many.
+        save_sampler(
+            self.sampler, directory, steps=self.steps, num_workers=self.settings.num_workers
+        )
 
     async def load_checkpoint(self, directory: Path) -> None:
         await self.sampler.wait_idle()
@@ -279,12 +272,11 @@ class VerlBackend(BackendProtocol):
         if not tracker.exists():
             raise BackendError(f"{directory} holds no verl checkpoint ({_TRACKER} is missing)")
         steps = int(tracker.read_text().strip())
-        meta = json.loads((directory / "backend.json").read_text())
+        meta = await asyncio.to_thread(read_meta, directory)
         check_saved_workers(meta, self.settings.num_workers)
         actor = directory / f"global_step_{steps}" / "actor"
         await self._call("loading a verl checkpoint", self.group.load_checkpoint, actor)
-        weights = await asyncio.to_thread(load_file, directory / "sampler.safetensors")
-        await asyncio.to_thread(self.sampler.load_weights, weights, meta["sampler_version"])
+        await asyncio.to_thread(load_sampler, self.sampler, directory, meta)
         self.steps = steps
 
     async def export_model(self, directory: Path) -> None:

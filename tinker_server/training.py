@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from backends.tinker.lora import LoraTargets, attach_lora, merged_state_dict
-from backends.tinker.wire import WireDatum
+from tinker_server.lora import LoraTargets, attach_lora, merged_state_dict
+from tinker_server.wire import WireDatum
 from torchkit.losses import per_token_loss
 
 __all__ = ["LOSS_INPUTS", "AdamSettings", "LoraSpec", "TrainingModel", "UserError"]

@@ -35,6 +35,7 @@ from tinker_server.futures import FutureStore, Outcome
 from tinker_server.service import LocalTinker
 from tinker_server.training import UserError
 from tinker_server.wire import WireError, decode_forward_backward
+from unified.commands import run_command
 from unified.errors import UsageError
 from unified.model_provider import resolve_model_spec
 
@@ -386,7 +387,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="stop when stdin closes (a parent process that dies takes the server with it)",
     )
     args = parser.parse_args(argv)
-    from unified.cli import run_command
 
     def serve() -> int:
         faults = _parse_faults(args.faults) if args.faults else None

@@ -156,13 +156,14 @@ def test_partial_rollout_requests_span_weight_syncs(make_config: ConfigFactory) 
 def test_async_with_zero_staleness_trains_exactly_what_sync_trains(
     make_config: ConfigFactory, seed: int
 ) -> None:
+    """Without over-admission (which only async mode does), the two modes are one loop."""
     runs = {}
     for mode in ("sync", "async"):
         config = make_config(
             name=mode,
             mode=mode,
             trainer={"total_steps": 6, "batch_size": 3, "group_size": 3, "seed": seed},
-            async_={"max_staleness": 0, "sync_every": 1},
+            async_={"max_staleness": 0, "sync_every": 1, "over_admit": 0},
         )
         backend = BanditBackend(latency=heavy_tailed_latency())
         result = fit(config, backend)

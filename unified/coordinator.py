@@ -11,8 +11,11 @@ group is taken only while the groups with earlier deadlines still fit in the slo
 Over-admission (async mode): while generation has spare capacity, up to `extra` groups more
 than the deadlines can hold are admitted. That many groups will miss their deadline anyway, so
 `may_take` lets the trainer pass over as many unfinished groups with earlier deadlines, and the
-groups whose deadline has passed when a window opens are `expire`d: the buffer gives their tasks
-back to the queue. With `extra=0` (and always in sync mode) no group ever expires.
+groups whose deadline has passed when a window opens are `expired`: the buffer gives their tasks
+back to the queue. `extra` adapts between 0 and `max_extra`: one more each time the trainer is
+held by an unfinished group while a newer one is ready (`note_blocked`), one less for each group
+that expired ready, which was generated for nothing (`note_wasted`). With `max_extra=0` (always
+in sync mode) no group ever expires.
 
 Pure arithmetic: no waiting, no clocks, no tasks. `TrajectoryGroupBuffer` is its one caller.
 """
@@ -33,14 +36,15 @@ class SyncCoordinator:
     """Owns the policy version and decides when a group may be admitted or trained."""
 
     def __init__(
-        self, *, batch_size: int, sync_every: int, max_staleness: int, extra: int = 0
+        self, *, batch_size: int, sync_every: int, max_staleness: int, max_extra: int = 0
     ) -> None:
         self.version = 0
         self.max_staleness = max_staleness
         self.steps_per_window = sync_every
         self.slots_per_window = sync_every * batch_size
         self.capacity = (1 + max_staleness) * self.slots_per_window
-        self.extra = extra
+        self.max_extra = max_extra
+        self.extra = 0
         self.taken = 0
         self.wanted: int | None = None
         self._alive: Counter[int] = Counter()
@@ -62,7 +66,7 @@ class SyncCoordinator:
             batch_size=trainer.batch_size,
             sync_every=async_.sync_every,
             max_staleness=async_.max_staleness,
-            extra=math.ceil(async_.over_admit * slots),
+            max_extra=math.ceil(async_.over_admit * slots),
         )
 
     @property
@@ -129,6 +133,16 @@ class SyncCoordinator:
         Call `expire` next: groups whose deadline has passed must not stay alive."""
         self.version = version
         self.taken = 0
+
+    def note_blocked(self) -> None:
+        """The trainer waits on an unfinished group with an earlier deadline while a newer group
+        is ready: allow one more group beyond the bound, once the last one allowed went out."""
+        if self.surplus >= self.extra and self.extra < self.max_extra:
+            self.extra += 1
+
+    def note_wasted(self, groups: int) -> None:
+        """`groups` expired ready: they were admitted beyond what the trainer could use."""
+        self.extra = max(0, self.extra - groups)
 
     def expired(self, version: int) -> bool:
         """Whether a group dispatched at `version` can no longer train within its deadline."""

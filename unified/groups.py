@@ -140,8 +140,11 @@ class TrajectoryGroupBuffer:
             for rollout in rollouts:
                 rollout.cancel()
             self._requeue(ticket, finished=len(self._episodes[ticket.group_id]))
+        wasted = 0
         while self._ready and expired(self._ready[0][0].version):
             self._requeue(heapq.heappop(self._ready)[0], finished=self.group_size)
+            wasted += 1
+        self.coordinator.note_wasted(wasted)
         self._notify()
 
     def _requeue(self, ticket: GroupTicket, *, finished: int) -> None:
@@ -238,7 +241,15 @@ class TrajectoryGroupBuffer:
     def take_ready(self) -> tuple[GroupTicket, TrajectoryGroup] | None:
         """The oldest ready group, if the staleness arithmetic lets it train now."""
         # may_take is monotone in the version: if the oldest may not train, no newer one may.
-        if not self._ready or not self.coordinator.may_take(self._ready[0][0].version):
+        c = self.coordinator
+        if not self._ready:
+            return None
+        if not c.may_take(self._ready[0][0].version):
+            if c.taken < c.slots_per_window:  # held by an earlier deadline, not a full window
+                extra = c.extra
+                c.note_blocked()
+                if c.extra != extra:
+                    self._notify()  # the dispatcher may admit one more
             return None
         ticket, group = heapq.heappop(self._ready)
         self.coordinator.take(ticket.version)

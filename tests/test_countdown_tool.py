@@ -129,8 +129,9 @@ async def test_calc_tokens_never_train() -> None:
     sampled = [t for t, s in zip(sequence.tokens, sequence.sampled, strict=True) if s]
     assert sampled == first.completion_ids + second.completion_ids, "tinker: model tokens only"
     (row,), logp_T, _ = await local_loss_rows(group_of(trajectory))
-    assert [s.completion for s in row.samples] == [first.completion_ids, second.completion_ids]
-    assert row.ids == second.prompt_ids + second.completion_ids, "both turns, one forward pass"
+    row_sampled = [t for t, s in zip(row.tokens, row.mask, strict=True) if s]
+    assert row_sampled == first.completion_ids + second.completion_ids
+    assert row.tokens == second.prompt_ids + second.completion_ids, "both turns, one forward pass"
     assert logp_T.numel() == len(first.completion_ids) + len(second.completion_ids)
     tool_ids = engine.tokenizer.encode("<|tool|>22<|im_end|>")
     observation = second.prompt_ids[len(first.prompt_ids) + len(first.completion_ids) :]

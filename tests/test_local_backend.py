@@ -28,6 +28,7 @@ from unified.protocol import (
     create_backend,
     resolve_tis_cap,
 )
+from unified.sequences import sequences_of
 from unified.types import Episode, ModelOutput, SamplingParams, Step, Trajectory, TrajectoryGroup
 
 # A seeded request's logprobs alone and in a batch agree to this (docs/guide.md, "Sampling").
@@ -73,9 +74,7 @@ def group_of(outputs: list[ModelOutput], advantages: list[float]) -> TrajectoryG
 async def test_sampler_logprobs_equal_the_trainer_recomputed_logprobs() -> None:
     backend = await started()
     outputs = await asyncio.gather(*[sample(backend, p, i) for i, p in enumerate(PROMPTS)])
-    from backends.local.backend import _Row, _Sample
-
-    rows = [_Row([_Sample(o.prompt_ids, o.completion_ids, o.logprobs, 0.0)]) for o in outputs]
+    rows = sequences_of([group_of(outputs, [0.0] * len(outputs))], loss="ppo")
     with torch.no_grad():
         recomputed = backend._score(backend.model, rows, with_entropy=False).logp_T
     sampled = torch.tensor([lp for o in outputs for lp in o.logprobs])
@@ -529,9 +528,7 @@ async def test_truncated_is_weights_a_hand_made_mixed_version_batch() -> None:
     assert metrics["train/is_clipped_frac"] == pytest.approx(2 / n)
     assert metrics["train/ratio_mean"] == pytest.approx(ratio.mean().item(), rel=1e-4)
     # The gradient is the capped-weight policy gradient -sum(w * A * grad logp).
-    from backends.local.backend import _Row, _Sample
-
-    chunk = [_Row([_Sample(stale.prompt_ids, stale.completion_ids, stale.logprobs, 1.5)])]
+    chunk = sequences_of([group_of([stale], [1.5])], loss="ppo")
     logp = backend._score(reference, chunk, with_entropy=False).logp_T
     (-(weight.float() * 1.5 * logp).sum()).backward()
     for (name, p), q in zip(backend.model.named_parameters(), reference.parameters(), strict=True):

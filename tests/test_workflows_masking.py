@@ -89,9 +89,8 @@ async def test_the_local_loss_scores_exactly_each_steps_completion_tokens_in_con
     trajectory, _ = await tool_episode()
     chunk, logp_T, model = await local_loss_rows(group_of(trajectory))
     steps = [step.output for step in trajectory.steps]
-    assert [s.completion for row in chunk for s in row.samples] == [
-        o.completion_ids for o in steps
-    ], "targets"
+    sampled = [t for seq in chunk for t, s in zip(seq.tokens, seq.mask, strict=True) if s]
+    assert sampled == [t for o in steps for t in o.completion_ids], "targets"
     assert len(chunk) == 1, "each turn's prompt extends the last: one row, prefixes not re-scored"
     assert logp_T.numel() == sum(len(o.completion_ids) for o in steps), "no tool token in the loss"
     # Aligned: the second turn's logprobs equal those of its tokens in one forward pass over the

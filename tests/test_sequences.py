@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from unified.config import load_config
+from unified.errors import CapabilityError, ConfigError
+from unified.protocol import check_capabilities, create_backend
 from unified.sequences import (
     TrainingSequence,
     fold_entropy_bonus,
@@ -142,6 +147,8 @@ def test_the_entropy_fold_is_an_explicit_argument_centred_over_the_batch() -> No
     bonus = [0.3 * (0.5 - 2.5 / 3), 0.3 * (1.5 - 2.5 / 3)]
     assert a.advantages == pytest.approx([0.0, 1.0 + bonus[0], 1.0 + bonus[1]])
     assert b.advantages == pytest.approx([0.0, 2.0 + bonus[0]])
+    folded = [x - y for x, y in zip(a.advantages + b.advantages, [0, 1, 1, 0, 2], strict=True)]
+    assert sum(folded) == pytest.approx(0.0), "centred: the bonus moves no mean advantage"
 
 
 def test_the_entropy_bonus_adds_to_a_folded_kl_penalty() -> None:
@@ -157,3 +164,44 @@ def test_a_reference_of_the_wrong_length_is_refused() -> None:
     seq.add_call(output([1], [2]), 1.0)
     with pytest.raises(ValueError, match="1 reference logprobs for 2 tokens"):
         fold_kl_penalty([seq], [[None]], coef=0.1)
+
+
+@pytest.mark.parametrize(
+    ("section", "old", "new"),
+    [
+        ("local", "micro_batch", "local.forward_batch_size"),
+        ("local", "loss_agg", "trainer.loss_agg"),
+        ("local", "betas", "trainer.optimizer.betas"),
+        ("local", "max_grad_norm", "trainer.optimizer.max_grad_norm"),
+        ("tinker", "loss_agg", "trainer.loss_agg"),
+        ("tinker", "adam_beta2", "trainer.optimizer.betas"),
+        ("tinker", "adam_eps", "trainer.optimizer.eps"),
+        ("tinker", "grad_clip_norm", "trainer.optimizer.max_grad_norm"),
+        ("verl", "micro_batch_size", "verl.forward_batch_size"),
+        ("verl", "loss_agg", "trainer.loss_agg"),
+        ("verl", "weight_decay", "trainer.optimizer.weight_decay"),
+    ],
+)
+def test_a_moved_backend_key_is_one_line_naming_the_new_key(
+    section: str, old: str, new: str
+) -> None:
+    config = load_config({"workflow": "x:y", "backend": section, section: {old: 1}})
+    expected = rf"'{section}\.{old}' has moved: use {re.escape(new)}"
+    with pytest.raises(ConfigError, match=expected) as e:
+        check_capabilities(config, create_backend(section))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("backend", "knob", "message"),
+    [
+        ("tinker", "trainer.loss_agg=seq_mean_token_mean", "it supports: token_mean, token_sum"),
+        ("local", "trainer.loss_agg=token_sum", "it supports: seq_mean_token_mean"),
+        ("tinker", "sampling.train.temperature=0.7", "score tokens at temperature 1"),
+        ("verl", "trainer.optimizer.max_grad_norm=null", "it always clips"),
+    ],
+)
+def test_a_knob_the_backend_cannot_honour_is_refused(backend: str, knob: str, message: str) -> None:
+    config = load_config({"workflow": "x:y", "backend": backend}, [knob])
+    with pytest.raises(CapabilityError, match=message):
+        check_capabilities(config, create_backend(backend))

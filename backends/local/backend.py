@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar, Literal, NamedTuple, Protocol
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol, cast, get_args
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -57,6 +57,14 @@ class LocalConfig(BaseModel):
     """`local:` — settings of the local backend."""
 
     model_config = ConfigDict(extra="forbid")
+    moved_keys: ClassVar[dict[str, str]] = {
+        "micro_batch": "local.forward_batch_size",
+        "loss_agg": "trainer.loss_agg",
+        "betas": "trainer.optimizer.betas",
+        "eps": "trainer.optimizer.eps",
+        "weight_decay": "trainer.optimizer.weight_decay",
+        "max_grad_norm": "trainer.optimizer.max_grad_norm",
+    }
 
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda if available.")
     threads: int | None = Field(
@@ -90,15 +98,11 @@ class LocalConfig(BaseModel):
         description="Memory for the keys and values of finished requests, reused by prompts "
         "that extend them (an agent's next turn prefills only its new tokens); 0: off.",
     )
-    micro_batch: int = Field(
+    forward_batch_size: int = Field(
         32,
         ge=1,
         description="Sequences per training forward pass (32: the fastest on CPU, "
         "bench/micro_batch.py).",
-    )
-    loss_agg: LossAggregation = Field(
-        "token_mean",
-        description="How token losses aggregate; seq_mean_* weigh each trajectory once.",
     )
     kl_clamp: float | None = Field(
         None,
@@ -110,10 +114,6 @@ class LocalConfig(BaseModel):
         description="k3: the sampled token's estimator (verl's low_var_kl); full: exact KL over "
         "the vocabulary at each position, which also sees mass moved onto unsampled tokens.",
     )
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     seed: int = Field(0, description="Seed of built-in model initialisation.")
 
 
@@ -197,7 +197,11 @@ class LocalBackend(BackendProtocol):
     name: ClassVar[str] = "local"
     # The `local:` section's model: `--dry-run` shows its defaults.
     section_model: ClassVar[type[BaseModel]] = LocalConfig
-    capabilities = BackendCapabilities(partial_rollout=True, truncated_is=True)
+    capabilities = BackendCapabilities(
+        partial_rollout=True,
+        truncated_is=True,
+        loss_aggregations=frozenset(get_args(LossAggregation)),
+    )
 
     def __init__(self) -> None:
         self.settings = LocalConfig()
@@ -249,12 +253,13 @@ class LocalBackend(BackendProtocol):
         self.reference = None
         if config.trainer.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        adam = config.trainer.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=config.trainer.lr,
-            betas=s.betas,
-            eps=s.eps,
-            weight_decay=s.weight_decay,
+            betas=adam.betas,
+            eps=adam.eps,
+            weight_decay=adam.weight_decay,
         )
         self._drop_gradients()  # a new model; drop the count of a step an earlier run abandoned
 
@@ -292,7 +297,7 @@ class LocalBackend(BackendProtocol):
         )
         weights_T, step_norm = token_weights(
             [seq.sampled_count for seq in sequences],
-            self.settings.loss_agg,
+            cast(LossAggregation, self.config.trainer.loss_agg),  # one of `capabilities`'
             [seq.trajectory_id for seq in sequences],  # `seq_mean_*`: a trajectory weighs once
         )
         totals = {
@@ -306,7 +311,7 @@ class LocalBackend(BackendProtocol):
             "is_capped": 0.0,
             "tokens": 0.0,
         }
-        size = self.settings.micro_batch
+        size = self.settings.forward_batch_size
         chunks = [sequences[start : start + size] for start in range(0, len(sequences), size)]
         # The reference scores chunk i + 1 while the policy's pass runs on chunk i: one ahead,
         # so at most two chunks' reference scores are held at once.
@@ -440,7 +445,8 @@ class LocalBackend(BackendProtocol):
         for p in params:
             assert p.grad is not None
             p.grad.div_(norm)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm))
+        max_norm = self.config.trainer.optimizer.max_grad_norm or math.inf  # null: no clipping
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         if not (loss_finite and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             return {"train/skipped_steps": 1.0}

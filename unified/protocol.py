@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_chec
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from unified.config import LOSS_AGGREGATIONS
 from unified.types import ModelOutput, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -90,8 +91,7 @@ class BackendCapabilities(BaseModel):
         False, description="Honours trainer.tis_cap (truncated importance sampling)."
     )
     loss_aggregations: frozenset[str] = Field(
-        frozenset({"token_mean", "token_sum", "seq_mean_token_mean", "seq_mean_token_sum"}),
-        description="trainer.loss_agg modes honoured.",
+        LOSS_AGGREGATIONS, description="trainer.loss_agg modes honoured."
     )
     scoring_temperature: Literal["per_sequence", "per_step", "one"] = Field(
         "per_sequence",

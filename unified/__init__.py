@@ -9,6 +9,7 @@ from unified.groups import TrajectoryGroupBuffer
 from unified.loop import TrainingLoop
 from unified.metrics import MetricsAggregator
 from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
+from unified.sequences import TrainingSequence, sequences_of
 from unified.trainer import TrainResult, UnifiedTrainer
 from unified.types import (
     Episode,
@@ -35,12 +36,14 @@ __all__ = [
     "TrainResult",
     "TrainerConfig",
     "TrainingLoop",
+    "TrainingSequence",
     "Trajectory",
     "TrajectoryGroup",
     "TrajectoryGroupBuffer",
     "Transcript",
     "UnifiedTrainer",
     "load_config",
+    "sequences_of",
 ]
 
 __version__ = "0.1.0"

@@ -24,8 +24,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Literal
 
-from backends.local.backend import LocalBackend, LocalEngine
+from backends.local.backend import LocalBackend
 from examples.countdown.workflow import CountdownWorkflow
+from torchkit.engine import LocalEngine
 from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig, load_config
 from unified.data import TaskSampler, load_tasks
@@ -238,8 +239,9 @@ def check_run(config_dict: dict[str, Any]) -> RunCheck:
     expected_steps = {step: settings.batch_size for step in range(1, settings.total_steps + 1)}
     if per_step != expected_steps:
         problems.append(f"trained groups per step {dict(per_step)}, expected {expected_steps}")
-    # Every group dispatched got the next sequence number and the sampler's next task (or was
-    # dispatched again under its own): at the end all of them ended, each once.
+    # Every group dispatched got the next sequence number and the sampler's next task, or a
+    # requeued group's task, or was dispatched again under its own: at the end all of them
+    # ended, each once, and every task drawn ended once other than requeued.
     final = RunDirectory.load_state(run.checkpoints / f"step_{settings.total_steps:06d}")
     if final.redispatch:
         problems.append(f"the final checkpoint still has groups in flight: {final.redispatch}")
@@ -248,8 +250,9 @@ def check_run(config_dict: dict[str, Any]) -> RunCheck:
     if lost or set(seqs) != set(range(final.next_seq)):
         problems.append(f"group sequence numbers {sorted(seqs)}, expected 0..{final.next_seq - 1}")
     sampler = TaskSampler(load_tasks(config.data.train), seed=settings.seed)
-    drawn = Counter(task.id for task in sampler.take(final.next_seq))
-    ended = Counter(e.task_id for e in entries)
+    requeued = sum(e.outcome == "requeued" for e in entries)
+    drawn = Counter(task.id for task in sampler.take(final.next_seq - requeued))
+    ended = Counter(e.task_id for e in entries if e.outcome != "requeued")
     if drawn != ended:
         problems.append(
             f"tasks drawn but not ended: {sorted((drawn - ended).elements())}, "

@@ -102,8 +102,8 @@ def stuck_call(tmp: str) -> dict[str, Any]:
 
 
 def tinker_faults(tmp: str) -> dict[str, Any]:
-    from backends.tinker.faults import Faults
-    from backends.tinker.server import LocalServer
+    from tinker_server.faults import Faults
+    from tinker_server.server import LocalServer
 
     def config(url: str, name: str, **tinker: Any) -> dict[str, Any]:
         return {

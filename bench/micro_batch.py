@@ -1,7 +1,7 @@
 """The local backend's training pass at several micro-batch sizes, on one step's batch.
 
 Samples one training step's episodes of a config (its warm start, its train settings), then
-times `forward_backward` on that batch with `local.micro_batch` at each size, in alternating
+times `forward_backward` on that batch with `local.forward_batch_size` at each size, in alternating
 rounds in one process, at each thread count, and prints the medians and their ratio to the
 first size. The gradients are the same at every size (tests/test_local_backend.py).
 
@@ -56,7 +56,7 @@ def main() -> None:
         time_pass(backend, groups)  # warm-up
         for _ in range(args.rounds):
             for size in args.sizes:
-                backend.settings.micro_batch = size
+                backend.settings.forward_batch_size = size
                 times[size].append(time_pass(backend, groups))
         medians = {size: statistics.median(v) for size, v in times.items()}
         first = medians[args.sizes[0]]

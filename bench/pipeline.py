@@ -11,8 +11,13 @@ deadlines (`simple_bound_s`) is printed beside it: the gap between the two is wh
 per-group `max_staleness` costs on that workload, not overhead.
 
 Efficiency is ideal / measured time per step (steady state: first optimizer step to last).
-The workloads: (a) heavy-tailed time inside the workflow (tools, environments); (b) generation
-bound: a long tail inside the model request and a concurrency limit; (c) training bound.
+Async mode is also measured against the physical bound, max(training time, generation time) per
+step (generation time: the batch's rollout work over the concurrency limit), and against itself
+without over-admission (`async.over_admit: 0`) in the same process. The workloads: (a)
+heavy-tailed time inside the workflow (tools, environments); (b) generation bound: a long tail
+inside the model request and a concurrency limit; (c) training bound; (d-f) training bound with
+heavy-tailed workflows at `max_staleness: 1`, the slowest episodes lasting several steps, at two
+tails and two batch shapes.
 
     python -m bench.pipeline --json runs/bench-pipeline.json
 """
@@ -72,6 +77,31 @@ WORKLOADS = (
         max_staleness=4,
     ),
     Workload("training_bound", batch=8, group=8, train_s=0.20, model_median_s=0.005),
+    Workload(
+        "tail_training_bound",
+        batch=8,
+        group=8,
+        train_s=0.10,
+        workflow_median_s=0.02,
+        max_staleness=1,
+    ),
+    Workload(
+        "heavier_tail_training_bound",
+        batch=8,
+        group=8,
+        train_s=0.10,
+        workflow_median_s=0.02,
+        sigma=1.5,
+        max_staleness=1,
+    ),
+    Workload(
+        "tail_training_bound_wide",
+        batch=16,
+        group=4,
+        train_s=0.10,
+        workflow_median_s=0.02,
+        max_staleness=1,
+    ),
 )
 
 
@@ -90,7 +120,7 @@ def ideal_step_s(w: Workload, mode: str, train_s: float, args: argparse.Namespac
     """
     seed, steps = args.seed, args.steps
     rng = random.Random(seed + 1 if w.workflow_median_s else seed)
-    config = TrainerConfig.model_validate(run_config(w, mode, args, run_dir="unused"))
+    config = TrainerConfig.model_validate(run_config(w, mode, args, "unused", over_admit=0.0))
     coordinator = SyncCoordinator.for_config(config)
     slots = [0.0] * min(w.max_concurrency, w.batch * w.group * (w.max_staleness + 2))
     pending: list[tuple[int, int, float]] = []  # (version, seq, ready time)
@@ -153,6 +183,16 @@ def simple_bound_s(w: Workload, mode: str, train_s: float, samples: int = 20_000
     return max(train_s, spread, admission)
 
 
+def physical_bound_s(w: Workload, train_s: float, samples: int = 20_000) -> float:
+    """max(training time, generation time) per step: no schedule can beat it."""
+    rng = random.Random(12345)
+    mean = statistics.fmean(
+        w.latency(rng, w.workflow_median_s) + w.latency(rng, w.model_median_s)
+        for _ in range(samples)
+    )
+    return max(train_s, w.batch * w.group * mean / w.max_concurrency)
+
+
 class SimulatedBackend(BanditBackend):
     """The bandit with a sleep inside each model request and a blocking cost per step."""
 
@@ -187,10 +227,12 @@ def tool_workflow(w: Workload, rng: random.Random) -> Any:
     return run
 
 
-def run_config(w: Workload, mode: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
+def run_config(
+    w: Workload, mode: str, args: argparse.Namespace, run_dir: str, over_admit: float | None = None
+) -> dict[str, Any]:
     """The run's config: the workload's batch, staleness and concurrency, no filtering."""
     return {
-        "name": f"{w.name}-{mode}",
+        "name": f"{w.name}-{mode}-over{over_admit}",
         "mode": mode,
         "workflow": "unified.testing:BanditWorkflow",
         "trainer": {
@@ -209,14 +251,17 @@ def run_config(w: Workload, mode: str, args: argparse.Namespace, run_dir: str) -
             "max_staleness": w.max_staleness,
             "sync_every": w.sync_every,
             "max_concurrency": w.max_concurrency,
+            **({} if over_admit is None else {"over_admit": over_admit}),
         },
         "logging": {"run_dir": run_dir, "console": False},
     }
 
 
-def measure(w: Workload, mode: str, args: argparse.Namespace, run_dir: str) -> dict[str, float]:
+def measure(
+    w: Workload, mode: str, args: argparse.Namespace, run_dir: str, over_admit: float | None = None
+) -> dict[str, float]:
     backend = SimulatedBackend(w, args.seed)
-    config = run_config(w, mode, args, run_dir)
+    config = run_config(w, mode, args, run_dir, over_admit)
     workflow = tool_workflow(w, random.Random(args.seed + 1))
     trainer = UnifiedTrainer(
         config, workflow=workflow, backend=backend, train_tasks=bandit_tasks(256, target=1)
@@ -231,6 +276,10 @@ def measure(w: Workload, mode: str, args: argparse.Namespace, run_dir: str) -> d
         "rollout_idle_ratio": statistics.fmean(m["rollout/idle_ratio"] for m in steady),
         "sync_s": statistics.fmean(m["time/sync"] for m in steady),
         "train_s": statistics.fmean(m["time/train"] for m in steady),
+        # Generation thrown away by requeued groups: a share of all episodes finished.
+        "discarded": sum(m["episodes/discarded"] for m in lines)
+        / max(1.0, sum(m["groups/trained"] for m in lines) * w.group),
+        "requeued": sum(m["groups/requeued"] for m in lines),
     }
 
 
@@ -240,6 +289,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--staleness", type=int, help="max_staleness for every workload")
     parser.add_argument("--no-stream", action="store_true", help="train whole batches only")
+    parser.add_argument("--over-admit", type=float, help="async.over_admit (default: config's)")
+    parser.add_argument("--only", nargs="+", help="run these workloads only (by name)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     workloads = [
@@ -249,14 +300,23 @@ def main() -> None:
             micro_batch=None if args.no_stream else w.micro_batch,
         )
         for w in WORKLOADS
+        if args.only is None or w.name in args.only
     ]
     report: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for w in workloads:
-            got = {mode: measure(w, mode, args, tmp) for mode in ("sync", "async")}
+            got = {m: measure(w, m, args, tmp, args.over_admit) for m in ("sync", "async")}
+            plain = measure(w, "async", args, tmp, over_admit=0.0)
             ideal = {m: ideal_step_s(w, m, got[m]["train_s"], args) for m in ("sync", "async")}
             simple = {m: simple_bound_s(w, m, got[m]["train_s"]) for m in ("sync", "async")}
+            bound = physical_bound_s(w, got["async"]["train_s"])
             report[w.name] = {
+                "async_over_physical_bound": bound / got["async"]["step_s"],
+                "ideal_async_over_sync_physical": got["sync"]["step_s"] / bound,
+                "async_over_async_without_over_admit": plain["step_s"] / got["async"]["step_s"],
+                "async_without_over_admit_over_physical_bound": bound / plain["step_s"],
+                "discarded_episodes_share": got["async"]["discarded"],
+                "requeued_groups": got["async"]["requeued"],
                 "ideal_async_over_sync": ideal["sync"] / ideal["async"],
                 "async_efficiency": ideal["async"] / got["async"]["step_s"],
                 "sync_efficiency": ideal["sync"] / got["sync"]["step_s"],
@@ -279,6 +339,16 @@ def main() -> None:
                 f"{r['ideal_async_over_sync']:.2f}x "
                 f"({r['async_over_sync'] / r['ideal_async_over_sync']:.2f}); idle: trainer "
                 f"{r['trainer_idle_ratio']:.0%}, rollout {r['rollout_idle_ratio']:.0%}"
+            )
+            print(
+                f"  physical bound max(train, generation) {bound * 1e3:.0f} ms: async "
+                f"{r['async_over_physical_bound']:.2f} of it ({r['requeued_groups']:.0f} groups "
+                f"requeued, {r['discarded_episodes_share']:.1%} of the episodes thrown away); "
+                f"async/sync {r['async_over_sync']:.2f}x of a physical "
+                f"{r['ideal_async_over_sync_physical']:.2f}x "
+                f"({r['async_over_sync'] / r['ideal_async_over_sync_physical']:.2f}); "
+                f"without over-admission {r['async_without_over_admit_over_physical_bound']:.2f} "
+                f"of the bound ({r['async_over_async_without_over_admit']:.2f}x slower)"
             )
             print(
                 f"  closed-form bound (no staleness deadlines): sync {simple['sync'] * 1e3:.0f} "

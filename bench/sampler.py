@@ -25,11 +25,11 @@ from unittest import mock
 
 import torch
 
-from backends.local import decoding
 from backends.local.backend import LocalBackend
-from backends.local.builtin import chat_prompt_ids, load_policy
-from backends.local.sampler import Request, generate_batch
 from examples.countdown.tasks import make_tasks, prompt
+from torchkit import decoding
+from torchkit.builtin import chat_prompt_ids, load_policy
+from torchkit.sampler import Request, generate_batch
 from unified.config import load_config
 from unified.types import SamplingParams
 

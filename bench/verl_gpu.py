@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from backends.local.builtin import BUILTIN_SIZES, build_tokenizer, save_policy
+from torchkit.builtin import BUILTIN_SIZES, build_tokenizer, save_policy
 
 # Qwen2-0.5B's config.json, less what only matters past our 512-token sequences.
 QWEN2_0_5B: dict[str, Any] = {
@@ -115,14 +115,14 @@ def run_config(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> Any:
     verl = {
         "device": args.device,
         "num_workers": args.workers,
-        "micro_batch_size": args.micro_batch_size,
+        "forward_batch_size": args.micro_batch_size,
         "param_dtype": args.param_dtype,
         "max_batch": args.batch_size * args.group_size,
         "call_timeout_s": args.timeout_s,
     }
     local = {
         "device": args.device,
-        "micro_batch": args.micro_batch_size,
+        "forward_batch_size": args.micro_batch_size,
         "max_batch": args.batch_size * args.group_size,
     }
     return load_config(

@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
-from backends.local.backend import LocalBackend, _Row
-from backends.local.builtin import build_tokenizer, chat_prompt_ids
+from backends.local.backend import LocalBackend
+from torchkit.builtin import build_tokenizer, chat_prompt_ids
 from unified.config import load_config
 from unified.protocol import RolloutEngine
+from unified.sequences import TrainingSequence
 from unified.testing import BanditBackend, BanditEngine
 from unified.types import ModelOutput, Task, TrajectoryGroup
 from workflows.multi_turn import Observation
@@ -66,8 +67,8 @@ class ScriptedEngine(RolloutEngine):
 
 async def local_loss_rows(
     group: TrajectoryGroup,
-) -> tuple[list[_Row], torch.Tensor, torch.nn.Module]:
-    """What the local backend's loss scores for `group`: its rows, their logprobs, the model.
+) -> tuple[list[TrainingSequence], torch.Tensor, torch.nn.Module]:
+    """What the local backend's loss scores for `group`: its sequences, their logprobs, the model.
 
     One `forward_backward` on a fresh `builtin:tiny` backend, with its scoring function spied on.
     """
@@ -77,10 +78,10 @@ async def local_loss_rows(
          "trainer": {"loss": "importance_sampling"}}
     )  # fmt: skip
     await backend.setup(config)
-    scored: list[tuple[list[_Row], torch.Tensor]] = []
+    scored: list[tuple[list[TrainingSequence], torch.Tensor]] = []
     score = backend._score
 
-    def spy(model: torch.nn.Module, chunk: list[_Row], **kw: Any) -> Any:
+    def spy(model: torch.nn.Module, chunk: list[TrainingSequence], **kw: Any) -> Any:
         result = score(model, chunk, **kw)
         scored.append((chunk, result[0].detach()))
         return result

@@ -25,7 +25,7 @@ def tiny_model() -> Path:
 
 def tiny_policy() -> Path:
     """The built-in tiny policy saved into $UNIFIED_TEST_MODEL_DIR (a loadable model directory)."""
-    from backends.local.builtin import load_policy, save_policy
+    from torchkit.builtin import load_policy, save_policy
 
     directory = Path(os.environ["UNIFIED_TEST_MODEL_DIR"])
     if not (directory / "config.json").is_file():

@@ -18,7 +18,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from backends.local.builtin import (
+from torchkit.builtin import (
     BUILTIN_SIZES,
     build_model,
     build_tokenizer,
@@ -293,7 +293,7 @@ def test_importing_and_building_a_builtin_touches_no_network(tmp_path: Path) -> 
         "    raise OSError('network access attempted')\n"
         "socket.socket.connect = refuse\n"
         "socket.create_connection = refuse\n"
-        "import backends.local.builtin as builtin\n"
+        "import torchkit.builtin as builtin\n"
         "model, tokenizer = builtin.load_policy('builtin:tiny')\n"
         "builtin.save_policy(model, tokenizer, 'policy')\n"
         "builtin.load_policy('policy')\n"

@@ -86,11 +86,12 @@ def test_dry_run_shows_the_backends_section_with_its_defaults(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     path = Path(__file__).parent.parent / "examples" / "countdown" / "local_sync.yaml"
-    code, out, _ = run(capsys, "train", str(path), "--dry-run", "local.micro_batch=8")
+    code, out, _ = run(capsys, "train", str(path), "--dry-run", "local.forward_batch_size=8")
     assert code == 0
     resolved = yaml.safe_load(out)
-    assert resolved["local"]["micro_batch"] == 8, "the override"
-    assert resolved["local"]["max_grad_norm"] == 1.0 and resolved["local"]["kl_clamp"] is None
+    assert resolved["local"]["forward_batch_size"] == 8, "the override"
+    assert resolved["trainer"]["optimizer"]["max_grad_norm"] == 1.0
+    assert resolved["local"]["kl_clamp"] is None
     assert "tinker" not in resolved and "verl" not in resolved, "other backends' empty sections"
 
 
@@ -102,7 +103,7 @@ def test_dry_run_shows_the_backends_section_with_its_defaults(
         ("local_sync", "model=builtin:huge", "unknown built-in model 'builtin:huge'"),
         ("tinker_sync", "tinker.lora_rank=0", "config key 'tinker.lora_rank'"),
         ("tinker_sync", "sampling.train.temperature=0.7", "sampling.train.temperature=0.7"),
-        ("tinker_async", "trainer.micro_batch_size=1", "tinker.loss_agg token_mean averages"),
+        ("tinker_async", "trainer.micro_batch_size=1", "trainer.loss_agg token_mean averages"),
     ],
 )
 def test_dry_run_checks_the_backend_section_and_the_model(

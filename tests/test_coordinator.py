@@ -100,6 +100,42 @@ def test_newer_group_waits_while_an_older_one_would_miss_its_deadline() -> None:
     assert c.may_take(0)
 
 
+def test_extra_groups_are_admitted_only_while_generation_has_spare_capacity() -> None:
+    c = coordinator(max_staleness=1, batch_size=2, max_extra=2)  # capacity 4
+    for _ in range(4):
+        c.admit()
+    assert not c.can_admit(spare=True), "no straggler has held the trainer yet"
+    c.note_blocked()
+    c.note_blocked()
+    assert c.extra == 1, "one more only once the last one allowed went out"
+    assert not c.can_admit(), "without spare capacity the staleness bound holds"
+    assert c.can_admit(spare=True), "with spare capacity one more group may go out"
+    c.admit()
+    c.note_blocked()
+    c.admit()
+    c.note_blocked()
+    assert c.extra == 2 and not c.can_admit(spare=True) and c.surplus == 2, "at most max_extra"
+    c.note_wasted(1)
+    assert c.extra == 1, "a group that expired ready lowers the allowance"
+
+
+def test_the_trainer_passes_over_as_many_unfinished_groups_as_will_expire_anyway() -> None:
+    c = coordinator(max_staleness=1, batch_size=1, max_extra=1)
+    c.admit()
+    c.take(0)
+    c.open_window(1)
+    c.admit()  # an unfinished v0 group, due by the end of this window
+    c._alive[0] += 1
+    c._alive_total += 1
+    assert not c.may_take(1), "no surplus: the v0 group's deadline holds the slot"
+    c.note_blocked()
+    c.admit()  # one group more than the deadlines hold
+    assert c.surplus == 1 and c.may_take(1), "one group will expire anyway: train the ready one"
+    c.take(1)
+    c.open_window(2)
+    assert c.expired(0) and not c.expired(1), "the passed-over v0 group missed its deadline"
+
+
 def test_sync_mode_is_staleness_zero_with_a_window_of_one_step() -> None:
     from unified.config import load_config
 
@@ -113,6 +149,32 @@ def test_sync_mode_is_staleness_zero_with_a_window_of_one_step() -> None:
     )
     c = SyncCoordinator.for_config(config)
     assert (c.max_staleness, c.steps_per_window, c.capacity) == (0, 1, 3)
+    assert c.max_extra == 0, "sync mode never over-admits"
+
+
+def test_a_group_that_misses_its_deadline_is_requeued_and_its_task_dispatched_again() -> None:
+    c = coordinator(max_staleness=0, batch_size=1, max_extra=1)
+    lines: list[LedgerEntry] = []
+    groups = buffer(c, lines)
+    straggler, task = groups.dispatch()
+    groups.add_episode(straggler, episode(0, reward=1.0))
+    c.note_blocked()  # the trainer waits on it
+    assert not c.can_admit() and c.can_admit(spare=True)
+    fast, _ = groups.dispatch()  # over-admitted
+    for index in range(2):
+        groups.add_episode(fast, episode(index, reward=float(index)))
+    item = groups.take_ready()
+    assert item is not None and item[0] == fast, "the first group ready trains"
+    groups.open_window(1)
+    assert c.alive == 0, "the straggler's slot is free"
+    assert groups.take_discarded() == {"episodes/discarded": 1.0, "episodes/cancelled": 1.0}
+    assert groups.in_flight()[-1] == (task.id, None), "its task waits, for a new number"
+    groups.add_episode(straggler, episode(1, reward=0.0))  # its last episode, too late
+    again, again_task = groups.dispatch()
+    assert again_task.id == task.id and again.seq == 2 and again.version == 1
+    ended = asyncio.run(groups.write_ended(step=1))
+    assert [(e.ticket, e.outcome) for e in ended] == [(straggler, "requeued")]
+    assert [line.outcome for line in lines] == ["requeued"]
 
 
 def test_group_ends_once_and_untrained_ones_free_their_slot() -> None:

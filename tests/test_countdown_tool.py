@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
-from backends.tinker.datums import group_sequences
 from examples.countdown.reward import parse_expression
 from examples.countdown.tool_agent import ANSWER_TOKENS, CountdownToolAgent, calc, tool_call
 from examples.countdown.warmstart import tool_warmstart_examples, warmstart_examples
 from tests.agents import ScriptedEngine, local_loss_rows
 from tests.conftest import ConfigFactory
 from unified.evaluation import tool_call_metrics
+from unified.sequences import sequences_of
 from unified.trainer import UnifiedTrainer
 from unified.types import Episode, Task, Trajectory, TrajectoryGroup
 from workflows.tool_calls import parse_tool_calls
@@ -125,12 +125,13 @@ async def test_eval_metrics_count_calls_episodes_that_call_and_well_formed_ones(
 async def test_calc_tokens_never_train() -> None:
     trajectory, engine = await episode(tool_call("3+7+12"), "3*7+12")
     first, second = (step.output for step in trajectory.steps)
-    (sequence,) = group_sequences([group_of(trajectory)])
-    sampled = [t for t, s in zip(sequence.tokens, sequence.sampled, strict=True) if s]
+    (sequence,) = sequences_of([group_of(trajectory)], loss="ppo")
+    sampled = [t for t, s in zip(sequence.tokens, sequence.mask, strict=True) if s]
     assert sampled == first.completion_ids + second.completion_ids, "tinker: model tokens only"
     (row,), logp_T, _ = await local_loss_rows(group_of(trajectory))
-    assert [s.completion for s in row.samples] == [first.completion_ids, second.completion_ids]
-    assert row.ids == second.prompt_ids + second.completion_ids, "both turns, one forward pass"
+    row_sampled = [t for t, s in zip(row.tokens, row.mask, strict=True) if s]
+    assert row_sampled == first.completion_ids + second.completion_ids
+    assert row.tokens == second.prompt_ids + second.completion_ids, "both turns, one forward pass"
     assert logp_T.numel() == len(first.completion_ids) + len(second.completion_ids)
     tool_ids = engine.tokenizer.encode("<|tool|>22<|im_end|>")
     observation = second.prompt_ids[len(first.prompt_ids) + len(first.completion_ids) :]

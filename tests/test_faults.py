@@ -293,8 +293,8 @@ async def test_the_local_backend_skips_an_update_whose_loss_is_nan() -> None:
 def test_a_tinker_server_that_stops_answering_fails_the_run_fast_naming_the_call(
     tmp_path: Path, make_config: ConfigFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from backends.tinker.faults import Faults
-    from backends.tinker.server import LocalServer
+    from tinker_server.faults import Faults
+    from tinker_server.server import LocalServer
 
     monkeypatch.setenv("TINKER_API_KEY", "tml-test")
     config = make_config(backend="tinker", workflow="unified.testing:DigitsWorkflow")

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from backends.local import sampler as sampler_module
 from backends.local.backend import LocalBackend, split_threads
-from backends.local.builtin import load_policy
-from backends.local.decoding import GROUP_OVERHEAD, group_overhead, prefill_groups
 from tests.conftest import ConfigFactory
+from torchkit import sampler as sampler_module
+from torchkit.builtin import load_policy
+from torchkit.decoding import GROUP_OVERHEAD, group_overhead, prefill_groups
 from unified import UnifiedTrainer
 from unified.config import TrainerConfig, load_config
 from unified.errors import BackendError, CapabilityError, ConfigError, UsageError
@@ -28,6 +28,7 @@ from unified.protocol import (
     create_backend,
     resolve_tis_cap,
 )
+from unified.sequences import sequences_of
 from unified.types import Episode, ModelOutput, SamplingParams, Step, Trajectory, TrajectoryGroup
 
 # A seeded request's logprobs alone and in a batch agree to this (docs/guide.md, "Sampling").
@@ -73,9 +74,7 @@ def group_of(outputs: list[ModelOutput], advantages: list[float]) -> TrajectoryG
 async def test_sampler_logprobs_equal_the_trainer_recomputed_logprobs() -> None:
     backend = await started()
     outputs = await asyncio.gather(*[sample(backend, p, i) for i, p in enumerate(PROMPTS)])
-    from backends.local.backend import _Row, _Sample
-
-    rows = [_Row([_Sample(o.prompt_ids, o.completion_ids, o.logprobs, 0.0)]) for o in outputs]
+    rows = sequences_of([group_of(outputs, [0.0] * len(outputs))], loss="ppo")
     with torch.no_grad():
         recomputed = backend._score(backend.model, rows, with_entropy=False).logp_T
     sampled = torch.tensor([lp for o in outputs for lp in o.logprobs])
@@ -264,7 +263,7 @@ async def test_a_batch_stops_decoding_the_requests_whose_callers_gave_up(
 ) -> None:
     """A workflow past its timeout, or a run stopping, cancels its requests: their batch must not
     decode them to max_tokens, holding the sampler (sync mode runs one batch at a time)."""
-    from backends.local import sampler as sampler_module
+    from torchkit import sampler as sampler_module
 
     monkeypatch.setattr(sampler_module, "_end_tokens", lambda model, tokenizer: set())
     batches: list[list[ModelOutput]] = []
@@ -529,9 +528,7 @@ async def test_truncated_is_weights_a_hand_made_mixed_version_batch() -> None:
     assert metrics["train/is_clipped_frac"] == pytest.approx(2 / n)
     assert metrics["train/ratio_mean"] == pytest.approx(ratio.mean().item(), rel=1e-4)
     # The gradient is the capped-weight policy gradient -sum(w * A * grad logp).
-    from backends.local.backend import _Row, _Sample
-
-    chunk = [_Row([_Sample(stale.prompt_ids, stale.completion_ids, stale.logprobs, 1.5)])]
+    chunk = sequences_of([group_of([stale], [1.5])], loss="ppo")
     logp = backend._score(reference, chunk, with_entropy=False).logp_T
     (-(weight.float() * 1.5 * logp).sum()).backward()
     for (name, p), q in zip(backend.model.named_parameters(), reference.parameters(), strict=True):
@@ -549,8 +546,13 @@ async def test_a_trajectorys_calls_weigh_as_one_sequence_across_micro_batches() 
             {
                 "workflow": "examples.countdown.workflow:CountdownWorkflow",
                 "model": "builtin:tiny",
-                "trainer": {"lr": 1e-3, "entropy_coef": 0.0, "kl_coef": 0.0},
-                "local": {"loss_agg": "seq_mean_token_mean", "micro_batch": micro_batch},
+                "trainer": {
+                    "lr": 1e-3,
+                    "entropy_coef": 0.0,
+                    "kl_coef": 0.0,
+                    "loss_agg": "seq_mean_token_mean",
+                },
+                "local": {"forward_batch_size": micro_batch},
             }
         )
         backend = await started(config)
@@ -597,7 +599,7 @@ async def test_local_full_kl_takes_the_vocabulary_wide_log_probs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from backends.local import backend as backend_module
-    from backends.local.losses import full_kl
+    from torchkit.losses import full_kl
 
     seen: list[tuple[torch.Size, torch.Size, float | None]] = []
 
@@ -644,7 +646,7 @@ async def test_local_kl_clamp_reaches_the_kl_term(
 ) -> None:
     """The math of both forms is checked against verl's in test_verl_parity.py."""
     from backends.local import backend as backend_module
-    from backends.local.losses import kl_penalty
+    from torchkit.losses import kl_penalty
 
     clamps = []
 
@@ -663,8 +665,8 @@ async def test_local_kl_clamp_reaches_the_kl_term(
 
 
 async def test_local_optimizer_settings_reach_adamw() -> None:
-    local = {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1}
-    backend = await started(local_config(lr=2e-4).model_copy(update={"local": local}))
+    optimizer = {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1}
+    backend = await started(local_config(lr=2e-4, optimizer=optimizer))
     (group,) = backend.optimizer.param_groups
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (
         2e-4,
@@ -721,7 +723,7 @@ async def step_with_reference(overlap: bool, estimator: str) -> tuple[Any, list[
     """One step's metrics and gradients, and where the reference was scored (thread, threads)."""
     local = {
         "threads": 2,
-        "micro_batch": 1,
+        "forward_batch_size": 1,
         "kl_estimator": estimator,
         "overlap_reference": overlap,
     }
@@ -781,7 +783,7 @@ async def test_the_reference_scores_one_chunk_ahead_keeping_only_what_the_kl_rea
 ) -> None:
     """A chunk's scores over the vocabulary are [tokens, vocab]: with a real vocabulary, holding
     every chunk's at once ran a pass out of memory."""
-    local = {"threads": 2, "micro_batch": 1, "kl_estimator": estimator}
+    local = {"threads": 2, "forward_batch_size": 1, "kl_estimator": estimator}
     backend = await started(async_config(local=local, trainer={"kl_coef": 0.05}))
     outs = [await sample(backend, p, i) for i, p in enumerate(PROMPTS)]
     submitted: list[int] = []
@@ -809,7 +811,7 @@ async def test_the_reference_scores_one_chunk_ahead_keeping_only_what_the_kl_rea
 async def test_a_failing_pass_leaves_no_reference_work_behind(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    config = async_config(local={"threads": 2, "micro_batch": 1}, trainer={"kl_coef": 0.05})
+    config = async_config(local={"threads": 2, "forward_batch_size": 1}, trainer={"kl_coef": 0.05})
     backend = await started(config)
     assert backend._reference_pool is not None
     outs = [await sample(backend, p, i) for i, p in enumerate(PROMPTS[:3])]

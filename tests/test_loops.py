@@ -126,6 +126,63 @@ def test_async_never_trains_a_group_staler_than_max_staleness(
     assert sorted(seqs(entries)) == list(range(len(entries))), "each group ends exactly once"
 
 
+class ThirdSyncBandit(BanditBackend):
+    """Sets `third_sync` once the weights reach version 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.third_sync = asyncio.Event()
+
+    async def on_policy_updated(self, version: int) -> None:
+        await super().on_policy_updated(version)
+        if version >= 3:
+            self.third_sync.set()
+
+
+def test_stragglers_past_their_deadline_are_requeued_and_their_tasks_trained_later(
+    make_config: ConfigFactory,
+) -> None:
+    """The first two groups' workflows hang until version 3; with max_staleness 1 the trainer
+    trains the over-admitted groups instead, and requeues the two when their deadline passes."""
+    config = make_config(
+        name="requeue",
+        mode="async",
+        trainer={"total_steps": 8, "batch_size": 2, "group_size": 2, "lr": 0.05},
+        async_={"max_staleness": 1, "over_admit": 1.0},
+    )
+    backend = ThirdSyncBandit()
+    stragglers: list[str] = []
+
+    async def workflow(task: Task, model: RolloutEngine) -> Trajectory:
+        if len(stragglers) < 2 and task.id not in stragglers:
+            stragglers.append(task.id)
+        if task.id in stragglers and not backend.third_sync.is_set():
+            async with asyncio.timeout(30):
+                await backend.third_sync.wait()
+        out = await model.chat([{"role": "user", "content": task.id}])
+        reward = float(out.text == str(task.data["target"]))
+        return Trajectory(steps=[Step(output=out, reward=reward)], reward=reward)
+
+    result = fit(config, backend, workflow=workflow)
+    entries = ledger(result.run_dir)
+    requeued = [e for e in entries if e.outcome == "requeued"]
+    assert [e.task_id for e in requeued[:2]] == stragglers, f"requeued: {requeued}"
+    for gone in requeued:  # (a group over-admitted for them may expire ready later: waste)
+        seq = seqs([gone])[0]
+        later = [e for e in entries if e.task_id == gone.task_id and seqs([e])[0] > seq]
+        assert any(e.outcome != "requeued" for e in later), (
+            f"{gone.group_id}'s task must be dispatched again and end: {later}"
+        )
+    assert sorted(seqs(entries)) == list(range(len(entries))), "each group ends exactly once"
+    for e in entries:
+        lag = e.trainer_version - e.policy_version
+        assert e.outcome != "trained" or lag <= 1, f"{e.group_id} trained {lag} versions stale"
+    lines = metrics_lines(result.run_dir)
+    thrown = sum(m["episodes/discarded"] + m["episodes/cancelled"] for m in lines)
+    assert thrown >= 2 * len(requeued), "the requeued groups' episodes are reported"
+    assert sum(m["groups/requeued"] for m in lines) == len(requeued)
+
+
 def test_partial_rollout_requests_span_weight_syncs(make_config: ConfigFactory) -> None:
     """Requests cut by a sync keep their first token's version; the staleness bound holds."""
     config = make_config(
@@ -156,13 +213,14 @@ def test_partial_rollout_requests_span_weight_syncs(make_config: ConfigFactory) 
 def test_async_with_zero_staleness_trains_exactly_what_sync_trains(
     make_config: ConfigFactory, seed: int
 ) -> None:
+    """Without over-admission (which only async mode does), the two modes are one loop."""
     runs = {}
     for mode in ("sync", "async"):
         config = make_config(
             name=mode,
             mode=mode,
             trainer={"total_steps": 6, "batch_size": 3, "group_size": 3, "seed": seed},
-            async_={"max_staleness": 0, "sync_every": 1},
+            async_={"max_staleness": 0, "sync_every": 1, "over_admit": 0},
         )
         backend = BanditBackend(latency=heavy_tailed_latency())
         result = fit(config, backend)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.local.losses import full_kl, kl_penalty, per_token_loss, token_weights
+from torchkit.losses import full_kl, kl_penalty, per_token_loss, token_weights
 
 LOSSES = ["cross_entropy", "importance_sampling", "ppo", "cispo"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.local.builtin import load_policy
+from torchkit.builtin import load_policy
 from unified.cli import main
 from unified.errors import UsageError
 from unified.plot import panels, plot_run

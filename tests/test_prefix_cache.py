@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from backends.local.backend import LocalBackend
-from backends.local.builtin import load_policy
-from backends.local.decoding import prefill_groups
-from backends.local.prefix_cache import KeyValues, PrefixCache
-from backends.local.sampler import Request, generate_batch
 from tests.test_local_backend import teacher_forced_logprobs
+from torchkit.builtin import load_policy
+from torchkit.decoding import prefill_groups
+from torchkit.prefix_cache import KeyValues, PrefixCache
+from torchkit.sampler import Request, generate_batch
 from unified.config import TrainerConfig, load_config
 from unified.types import ModelOutput, SamplingParams
 

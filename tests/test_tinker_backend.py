@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from backends.tinker.backend import TinkerBackend
-from backends.tinker.faults import Faults
-from backends.tinker.server import LocalServer
 from examples.countdown.prepare import WarmStartRecipe, ensure_warmstart
 from tests.conftest import ConfigFactory
+from tinker_server.faults import Faults
+from tinker_server.server import LocalServer
 from unified import UnifiedTrainer
 from unified.cli import main
 from unified.config import load_config

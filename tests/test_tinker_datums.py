@@ -1,10 +1,16 @@
-"""Trajectories -> Tinker Datums: shift by one, multi-turn merging, the folded KL and entropy."""
+"""Training sequences -> Tinker Datums: shift by one, multi-turn merging, folded advantages."""
 
 from __future__ import annotations
 
 import pytest
 
-from backends.tinker.datums import fold_entropy_bonus, fold_kl_penalty, group_sequences, to_datum
+from backends.tinker.datums import to_datum
+from unified.sequences import (
+    TrainingSequence,
+    fold_entropy_bonus,
+    fold_kl_penalty,
+    sequences_of,
+)
 from unified.types import Episode, ModelOutput, Step, Trajectory, TrajectoryGroup
 
 
@@ -22,6 +28,10 @@ def group(*steps: ModelOutput, advantage: float = 2.0) -> TrajectoryGroup:
     return TrajectoryGroup(
         task_id="t", episodes=[episode], advantages=[advantage], policy_version=0
     )
+
+
+def group_sequences(groups: list[TrajectoryGroup]) -> list[TrainingSequence]:
+    return sequences_of(groups, loss="ppo")
 
 
 def test_a_datum_is_shifted_by_one_with_zeros_on_prompt_positions() -> None:
@@ -47,7 +57,7 @@ def test_turns_that_extend_the_previous_prompt_merge_into_one_sequence() -> None
     second = output([1, 2, 3, 4, 9], [5])  # the tool's reply (9) then the next turn
     (merged,) = group_sequences([group(first, second)])
     assert merged.tokens == [1, 2, 3, 4, 9, 5]
-    assert merged.sampled == [False, False, True, True, False, True]
+    assert merged.mask == [False, False, True, True, False, True]
 
 
 def test_a_turn_that_rewrites_the_history_starts_a_new_sequence() -> None:
@@ -55,32 +65,11 @@ def test_a_turn_that_rewrites_the_history_starts_a_new_sequence() -> None:
     assert [s.tokens for s in sequences] == [[1, 2, 3], [1, 7, 8]]
 
 
-def test_the_kl_penalty_charges_tokens_likelier_than_the_reference() -> None:
-    (sequence,) = group_sequences([group(output([1, 2], [3, 4]), advantage=1.0)])
-    # Sampler logprobs are -0.5, -1.5; the reference gives -1.5 and -1.5: KL 1.0 and 0.0.
-    mean_kl = fold_kl_penalty([sequence], [[None, -9.0, -1.5, -1.5]], coef=0.1)
-    assert mean_kl == pytest.approx(0.5)
-    assert sequence.advantages == pytest.approx([0.0, 0.0, 1.0 - 0.05, 1.0 + 0.05])
-
-
-def test_the_entropy_bonus_pays_unlikely_tokens_centred_over_the_batch() -> None:
-    a, b = group_sequences([group(output([1], [3, 4]), advantage=1.0), group(output([1], [5]))])
-    # Sampler logprobs: -0.5, -1.5 (advantage 1) and -0.5 (advantage 2); mean -logprob 5/6.
-    entropy = fold_entropy_bonus([a, b], coef=0.3)
-    assert entropy == pytest.approx(2.5 / 3), "the mean -logprob of the sampled tokens"
-    bonus = [0.3 * (0.5 - 2.5 / 3), 0.3 * (1.5 - 2.5 / 3)]
-    assert a.advantages == pytest.approx([0.0, 1.0 + bonus[0], 1.0 + bonus[1]])
-    assert b.advantages == pytest.approx([0.0, 2.0 + bonus[0]])
-    folded = [x - y for x, y in zip(a.advantages + b.advantages, [0, 1, 1, 0, 2], strict=True)]
-    assert sum(folded) == pytest.approx(0.0), "centred: the bonus moves no mean advantage"
-
-
-def test_the_entropy_bonus_adds_to_a_folded_kl_penalty() -> None:
+def test_a_datum_carries_the_folded_kl_penalty_and_entropy_bonus() -> None:
     (sequence,) = group_sequences([group(output([1, 2], [3, 4]), advantage=1.0)])
     fold_kl_penalty([sequence], [[None, -9.0, -1.5, -1.5]], coef=0.1)
     fold_entropy_bonus([sequence], coef=0.2)
     # KL: -0.05, +0.05; entropy (-logprob 0.5, 1.5, mean 1.0): -0.1, +0.1.
-    assert sequence.advantages == pytest.approx([0.0, 0.0, 1.0 - 0.15, 1.0 + 0.15])
     assert to_datum(sequence, "ppo").loss_fn_inputs["advantages"].tolist() == pytest.approx(
         [0.0, 0.85, 1.15]
     )

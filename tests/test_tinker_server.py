@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import tinker
 
-from backends.tinker.faults import Faults
-from backends.tinker.server import LocalServer, main
 from backends.tinker.server_process import ServerProcess
+from tinker_server.faults import Faults
+from tinker_server.server import LocalServer, main
 from unified.errors import UsageError
 
 DEADLINE_S = 60

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from backends.verl.backend import VerlBackend
-from backends.verl.convert import Row
 from examples.countdown.tasks import make_tasks
 from examples.countdown.workflow import CountdownWorkflow
 from unified import UnifiedTrainer
 from unified.config import TrainerConfig, load_config
+from unified.sequences import sequences_of
 from unified.types import Episode, ModelOutput, Step, Trajectory, TrajectoryGroup
 
 
@@ -49,7 +49,7 @@ def countdown_config(tmp_path: Path, **sections: Any) -> TrainerConfig:
             "workflow_timeout_s": 120,
         },
         "sampling": {"train": {"temperature": 1.0, "max_tokens": 8}},
-        "verl": {"num_workers": 2, "micro_batch_size": 4},
+        "verl": {"num_workers": 2, "forward_batch_size": 4},
         "logging": {"run_dir": str(tmp_path / "runs"), "console": False},
     }
     return load_config(base | sections)
@@ -140,7 +140,7 @@ async def test_weight_sync_checkpoints_and_the_kl_reference_on_the_cpu_worker_gr
         one = {"episodes": before[1].episodes[:1], "advantages": before[1].advantages[:1]}
         odd = [before[0], before[1].model_copy(update=one)]
         settings = backend.settings
-        backend.settings = settings.model_copy(update={"micro_batch_size": 2})
+        backend.settings = settings.model_copy(update={"forward_batch_size": 2})
         assert max_gap(await backend.score(odd), sampled(odd)) < 1e-4, "scores in row order"
         backend.settings = settings
         reference_before = await backend.score(before, reference=True)
@@ -240,7 +240,22 @@ def test_greedy_and_temperature_1_rows_score_together_and_other_mixes_are_refuse
     backend.config = load_config({"workflow": "x:y", "backend": "verl"})
 
     def rows(*temperatures: float | None) -> list[Any]:
-        return [Row(prompt_ids=[1], temperature=t) for t in temperatures]
+        calls = [
+            ModelOutput(
+                text="",
+                prompt_ids=[1],
+                completion_ids=[2],
+                logprobs=[-1.0],
+                finish_reason="stop",
+                policy_version=0,
+                temperature=t,
+            )
+            for t in temperatures
+        ]
+        trajectories = [Trajectory(steps=[Step(output=o)], reward=0.0) for o in calls]
+        episodes = [Episode(task_id="t", rollout_index=0, trajectories=trajectories)]
+        group = TrajectoryGroup(task_id="t", episodes=episodes, advantages=[0.0], policy_version=0)
+        return sequences_of([group], loss="ppo", temperature=1.0)
 
     assert backend._temperature(rows(0.0, 1.0, None)) == 1.0
     assert backend._temperature(rows(0.7, 0.7)) == 0.7

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from backends.local.builtin import load_policy, save_policy
 from backends.verl.config import (
     compose_verl_config,
     hydra_overrides,
@@ -15,6 +14,7 @@ from backends.verl.config import (
     reference_worker_config,
     training_worker_config,
 )
+from torchkit.builtin import load_policy, save_policy
 from unified.config import TrainerConfig, load_config
 from unified.errors import ConfigError
 
@@ -51,6 +51,17 @@ def test_sync_config_translates_to_a_validated_verl_config(model_dir: Path) -> N
     worker_config, actor_config = training_worker_config(verl_config)
     assert worker_config.engine_config.micro_batch_size_per_gpu == 8
     assert actor_config.clip_ratio_c > 1e8, "verl's dual clip is off, like the local backend"
+
+
+def test_the_trainers_optimizer_and_loss_agg_reach_verls_actor(model_dir: Path) -> None:
+    optimizer = {"betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1, "max_grad_norm": 0.5}
+    trainer = {"batch_size": 4, "group_size": 3, "loss": "ppo", "optimizer": optimizer}
+    trainer["loss_agg"] = "seq_mean_token_sum"
+    _, actor = training_worker_config(composed(run_config(trainer=trainer), model_dir))
+    assert tuple(actor.optim.betas) == (0.8, 0.99) and actor.optim.weight_decay == 0.1
+    assert actor.optim.clip_grad == 0.5
+    assert dict(actor.optim.override_optimizer_config) == {"eps": 1e-6}, "AdamW's eps"
+    assert actor.loss_agg_mode == "seq-mean-token-sum"
 
 
 def test_a_kl_coef_becomes_verls_kl_loss_against_a_frozen_reference(model_dir: Path) -> None:

@@ -1,19 +1,17 @@
-"""verl backend, conversion: trajectory groups to verl's padded batch and its no-padding form."""
+"""verl backend, conversion: training sequences to verl's padded batch and its no-padding form."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from verl import DataProto
 from verl.trainer.ppo.ray_trainer import compute_response_mask
 from verl.workers.utils.padding import no_padding_2_padding
 
-from backends.verl.convert import (
-    groups_to_batch,
-    groups_to_rows,
-    micro_batch_rows,
-    rows_to_batch,
-    to_no_padding,
-)
+from backends.verl.convert import micro_batch_rows, to_batch, to_no_padding
+from unified.sequences import TrainingSequence, sequences_of
 from unified.types import Episode, ModelOutput, Step, Trajectory, TrajectoryGroup
 
 PAD = 0
@@ -49,6 +47,22 @@ def group(
         policy_version=0,
         group_id=f"g-{task}",
     )
+
+
+def groups_to_rows(groups: list[TrajectoryGroup]) -> list[TrainingSequence]:
+    return sequences_of(groups, loss="ppo")
+
+
+def groups_to_batch(groups: list[TrajectoryGroup], **kw: Any) -> DataProto:
+    return to_batch(groups_to_rows(groups), **kw)
+
+
+def prompt_ids(row: TrainingSequence) -> list[int]:
+    return row.tokens[: row.prompt_length]
+
+
+def response_ids(row: TrainingSequence) -> list[int]:
+    return row.tokens[row.prompt_length :]
 
 
 def single_turn_groups() -> list[TrajectoryGroup]:
@@ -98,21 +112,24 @@ def test_multi_turn_steps_merge_into_one_row_with_tool_tokens_masked_out() -> No
     second = output([1, 2, 3, 4, 20, 21], [5])
     rows = groups_to_rows([group("m", [[first, second]], [2.0])])
     assert len(rows) == 1, "a step that extends its predecessor joins its row"
-    assert rows[0].response_ids == [3, 4, 20, 21, 5]
-    assert rows[0].response_mask == [1, 1, 0, 0, 1], "tool tokens carry no loss"
-    assert rows[0].logprobs[2:4] == [0.0, 0.0]
+    assert response_ids(rows[0]) == [3, 4, 20, 21, 5]
+    assert rows[0].mask[2:] == [1, 1, 0, 0, 1], "tool tokens carry no loss"
+    assert rows[0].logprobs[2:][2:4] == [0.0, 0.0]
 
 
 def test_a_step_that_does_not_extend_the_conversation_starts_a_new_row() -> None:
     rows = groups_to_rows([group("m", [[output([1, 2], [3]), output([9, 9], [4])]], [1.0])])
-    assert [r.prompt_ids for r in rows] == [[1, 2], [9, 9]]
+    assert [prompt_ids(r) for r in rows] == [[1, 2], [9, 9]]
 
 
 def test_a_call_sampled_at_another_temperature_starts_a_row_of_its_own() -> None:
     first = output([1, 2], [3, 4]).model_copy(update={"temperature": 1.0})
     second = output([1, 2, 3, 4, 20], [5]).model_copy(update={"temperature": 0.5})
     rows = groups_to_rows([group("m", [[first, second]], [1.0])])
-    assert [(r.prompt_ids, r.temperature) for r in rows] == [([1, 2], 1.0), ([1, 2, 3, 4, 20], 0.5)]
+    assert [(prompt_ids(r), r.temperature) for r in rows] == [
+        ([1, 2], 1.0),
+        ([1, 2, 3, 4, 20], 0.5),
+    ]
 
 
 def test_rows_added_for_data_parallel_padding_carry_no_loss() -> None:
@@ -128,14 +145,14 @@ def test_padding_rows_spread_over_micro_batches_so_none_is_padding_only() -> Non
     """5 rows on 4 ranks at 2 rows a micro-batch: 3 loss-free rows, which at the batch's end
     made the last rank's micro-batch padding only (verl's metrics then averaged in its zeros)."""
     rows = groups_to_rows(single_turn_groups()) + groups_to_rows(single_turn_groups()[:1])[:1]
-    batch = rows_to_batch(rows, pad_token_id=PAD, multiple=8, micro_batch=2)
+    batch = to_batch(rows, pad_token_id=PAD, multiple=8, micro_batch=2)
     real_BR = batch.batch["response_mask"].sum(dim=1) > 0
     assert real_BR.view(4, 2).any(dim=1).all(), f"a micro-batch of padding only: {real_BR}"
     positions = batch.meta_info["real_positions"]
     assert sorted(positions) == real_BR.nonzero().flatten().tolist()
     for row, position in zip(rows, positions, strict=True):
-        n = len(row.response_ids)
-        assert batch.batch["responses"][position, :n].tolist() == row.response_ids, "in order"
+        n = len(response_ids(row))
+        assert batch.batch["responses"][position, :n].tolist() == response_ids(row), "in order"
 
 
 def test_no_padding_form_round_trips_through_verls_helpers() -> None:

@@ -14,8 +14,6 @@ from verl.trainer.ppo.core_algos import kl_penalty as verl_kl_penalty
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
-from backends.local.builtin import load_policy, save_policy
-from backends.local.losses import kl_penalty, per_token_loss, token_weights
 from backends.verl.algorithms import (
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
@@ -29,9 +27,12 @@ from backends.verl.config import (
     parse_verl_config,
     training_worker_config,
 )
-from backends.verl.convert import Row, rows_to_batch, to_no_padding
+from backends.verl.convert import to_batch, to_no_padding
+from torchkit.builtin import load_policy, save_policy
+from torchkit.losses import kl_penalty, per_token_loss, token_weights
 from unified.advantages import compute_advantages
 from unified.config import load_config
+from unified.sequences import TrainingSequence
 
 REWARDS = [[1.0, 0.0, 0.5, 0.0, 1.0, 0.25], [0.0, 3.0, 1.0], [2.0, 2.0, 2.0, 2.0]]
 
@@ -80,13 +81,13 @@ def actor_config(
         "group_size": 2,
         "kl_coef": kl_coef,
         "entropy_coef": entropy_coef,
+        "loss_agg": loss_agg,
     }
     config = load_config(
         {
             "workflow": "examples.countdown.workflow:CountdownWorkflow",
             "backend": "verl",
             "trainer": trainer,
-            "verl": {"loss_agg": loss_agg},
         }
     )
     overrides = hydra_overrides(config, parse_verl_config(config), model_dir)
@@ -184,14 +185,14 @@ def test_entropy_bonus_aggregates_like_verls() -> None:
     assert ours == pytest.approx(float(agg_loss(entropy, mask, "token-mean")), rel=1e-6)
 
 
-def flat_sequence_values(values_BR: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+def flat_sequence_values(values_BR: torch.Tensor, rows: list[TrainingSequence]) -> torch.Tensor:
     """Per-response-token values in verl's no-padding model output: one entry per sequence
     token, where position t holds the value of token t + 1 (prompt and last position unused)."""
     zero = values_BR.new_zeros(1)
     pieces = []
     for b, row in enumerate(rows):
-        n = len(row.response_ids)
-        pieces += [zero.expand(len(row.prompt_ids) - 1), values_BR[b, :n], zero]
+        n = len(row.tokens) - row.prompt_length
+        pieces += [zero.expand(row.prompt_length - 1), values_BR[b, :n], zero]
     return torch.cat(pieces)
 
 
@@ -217,15 +218,16 @@ def test_local_loss_with_kl_and_entropy_equals_the_loss_verls_workers_run(
     entropy = torch.rand(logp.shape, generator=g, dtype=torch.float64)
     lengths = mask.sum(dim=1).tolist()
     rows = [
-        Row(
-            prompt_ids=[1] * (2 + b),
-            response_ids=[2] * n,
-            response_mask=[1] * n,
-            logprobs=[0.0] * n,
+        TrainingSequence(
+            tokens=[1] * (2 + b) + [2] * n,
+            mask=[False] * (2 + b) + [True] * n,
+            logprobs=[0.0] * (2 + b + n),
+            advantages=[0.0] * (2 + b + n),
+            prompt_length=2 + b,
         )
         for b, n in enumerate(lengths)
     ]
-    data = to_no_padding(rows_to_batch(rows, pad_token_id=0))
+    data = to_no_padding(to_batch(rows, pad_token_id=0))
     width = max(lengths)
     data["old_log_probs"] = old[:, :width].float()
     data["advantages"] = (adv * mask)[:, :width].float()

@@ -7,9 +7,9 @@ import pickle
 import pytest
 import torch
 
-from backends.local.builtin import load_policy
-from backends.local.sampler import copy_weights
 from backends.verl.weights import HostStaging, from_wire, tied_aliases, to_wire, with_aliases
+from torchkit.builtin import load_policy
+from torchkit.sampler import copy_weights
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

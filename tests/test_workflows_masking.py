@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from backends.local.backend import LocalBackend
-from backends.tinker.datums import group_sequences, to_datum
+from backends.tinker.datums import to_datum
 from tests.agents import ScriptedEngine, local_loss_rows
 from unified.config import load_config
+from unified.sequences import sequences_of
 from unified.types import Episode, ModelOutput, Task, Trajectory, TrajectoryGroup
 from workflows.tools import ToolWorkflow
 
@@ -70,13 +71,13 @@ async def test_a_tool_turn_prompt_extends_the_previous_prompt_and_completion() -
 
 async def test_tinker_datums_weigh_only_the_model_tokens_of_a_merged_tool_episode() -> None:
     trajectory, engine = await tool_episode()
-    (sequence,) = group_sequences([group_of(trajectory, advantage=2.0)])
+    (sequence,) = sequences_of([group_of(trajectory, advantage=2.0)], loss="ppo")
     first, second = (step.output for step in trajectory.steps)
-    sampled_tokens = [t for t, s in zip(sequence.tokens, sequence.sampled, strict=True) if s]
+    sampled_tokens = [t for t, s in zip(sequence.tokens, sequence.mask, strict=True) if s]
     assert sampled_tokens == first.completion_ids + second.completion_ids
     start = find(sequence.tokens, tool_message_ids(engine))
     tool_positions = range(start, start + len(tool_message_ids(engine)))
-    assert not any(sequence.sampled[p] for p in tool_positions), "tool tokens are observations"
+    assert not any(sequence.mask[p] for p in tool_positions), "tool tokens are observations"
     inputs = to_datum(sequence, "ppo").loss_fn_inputs
     weights = to_datum(sequence, "cross_entropy").loss_fn_inputs["weights"].tolist()
     advantages = inputs["advantages"].tolist()
@@ -89,9 +90,8 @@ async def test_the_local_loss_scores_exactly_each_steps_completion_tokens_in_con
     trajectory, _ = await tool_episode()
     chunk, logp_T, model = await local_loss_rows(group_of(trajectory))
     steps = [step.output for step in trajectory.steps]
-    assert [s.completion for row in chunk for s in row.samples] == [
-        o.completion_ids for o in steps
-    ], "targets"
+    sampled = [t for seq in chunk for t, s in zip(seq.tokens, seq.mask, strict=True) if s]
+    assert sampled == [t for o in steps for t in o.completion_ids], "targets"
     assert len(chunk) == 1, "each turn's prompt extends the last: one row, prefixes not re-scored"
     assert logp_T.numel() == sum(len(o.completion_ids) for o in steps), "no tool token in the loss"
     # Aligned: the second turn's logprobs equal those of its tokens in one forward pass over the
@@ -124,8 +124,7 @@ async def test_scoring_a_trajectorys_turns_in_one_row_trains_exactly_as_scoring_
     )
     config = load_config(
         {"workflow": "tests.agents:LookupBanditWorkflow", "model": "builtin:tiny",
-         "trainer": {"kl_coef": 0.1, "entropy_coef": 0.02},
-         "local": {"loss_agg": "seq_mean_token_mean"}}
+         "trainer": {"kl_coef": 0.1, "entropy_coef": 0.02, "loss_agg": "seq_mean_token_mean"}}
     )  # fmt: skip
 
     async def gradients() -> tuple[dict[str, float], list[torch.Tensor], int]:

@@ -412,7 +412,7 @@ def test_a_tool_workflow_trains_end_to_end_for_two_steps(make_config: ConfigFact
 
 
 def test_the_builtin_template_renders_the_tools_list_and_tool_messages() -> None:
-    from backends.local.builtin import build_tokenizer
+    from torchkit.builtin import build_tokenizer
 
     tokenizer = build_tokenizer()
     messages = [

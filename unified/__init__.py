@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from unified.groups import TrajectoryGroupBuffer
     from unified.metrics import MetricsAggregator
     from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
+    from unified.sequences import TrainingSequence, sequences_of
     from unified.trainer import TrainResult, UnifiedTrainer
     from unified.types import (
         Episode,
@@ -41,12 +42,14 @@ _MODULE_OF = {
     "Task": "unified.types",
     "TrainResult": "unified.trainer",
     "TrainerConfig": "unified.config",
+    "TrainingSequence": "unified.sequences",
     "Trajectory": "unified.types",
     "TrajectoryGroup": "unified.types",
     "TrajectoryGroupBuffer": "unified.groups",
     "Transcript": "unified.types",
     "UnifiedTrainer": "unified.trainer",
     "load_config": "unified.config",
+    "sequences_of": "unified.sequences",
 }
 
 __all__ = [
@@ -62,12 +65,14 @@ __all__ = [
     "Task",
     "TrainResult",
     "TrainerConfig",
+    "TrainingSequence",
     "Trajectory",
     "TrajectoryGroup",
     "TrajectoryGroupBuffer",
     "Transcript",
     "UnifiedTrainer",
     "load_config",
+    "sequences_of",
 ]
 
 __version__ = "0.1.0"

@@ -38,7 +38,7 @@ class LedgerEntry(BaseModel):
 
     group_id: str
     task_id: str
-    outcome: Literal["trained", "filtered", "failed"]
+    outcome: Literal["trained", "filtered", "failed", "requeued"]
     step: int
     policy_version: int
     trainer_version: int
@@ -56,10 +56,10 @@ class TrainerState(BaseModel):
     sampler: dict[str, int]
     redispatch: list[str] = []
     """Ids of tasks dispatched but not yet ended at save time; dispatched again on resume."""
-    redispatch_seqs: list[int] = []
+    redispatch_seqs: list[int | None] = []
     """The groups' dispatch sequence numbers, in the order of `redispatch`: a group dispatched
     again keeps its id and rollout seeds, so a resumed sync run trains what an uninterrupted one
-    trains."""
+    trains; None for a requeued group's task, which gets a new number when dispatched."""
     ledger_lines: int | None = None
     """Ledger lines written before this checkpoint; resume drops the lines after them."""
 

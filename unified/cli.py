@@ -4,27 +4,26 @@ A usage error (bad config, data, import path or capability) prints one line and 
 a run that cannot make progress exits 1 with the reason; Ctrl-C exits 130 and SIGTERM 143 (during
 `train`, after an orderly stop and a final checkpoint; see docs/reliability.md). Packages add
 subcommands through the entry-point group `unified.commands` (name -> `module:function(argv)`
-returning the exit code), e.g. the tinker backend's `tinker-serve`; the core never imports them.
+returning the exit code), e.g. the Tinker-compatible server's `tinker-serve`; the core never
+imports them. Errors become exit codes in `unified.commands.run_command`, which they use too.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
-from unified.errors import TrainingInterrupted, UnifiedError, UsageError
-from unified.redaction import RedactingHandler, redact
+from unified.commands import run_command
+from unified.errors import UsageError
 
 if TYPE_CHECKING:
     from unified.config import TrainerConfig
 
-__all__ = ["main", "run_command"]
+__all__ = ["main"]
 
 
 def _contributed_commands() -> dict[str, EntryPoint]:
@@ -96,53 +95,6 @@ def _run_contributed(entry: EntryPoint, argv: list[str]) -> int:
         return int(command(argv))
 
     return run_command(run)
-
-
-def run_command(command: Callable[[], int], prog: str = "unified") -> int:
-    """Run `command`; turn our errors into one line on stderr and the matching exit code.
-
-    Any other exception is a bug in user code (a workflow) or ours: a one-line summary, then its
-    traceback, which the user needs to fix it. Secrets are masked in everything printed.
-    """
-    _log_with_secrets_masked()
-    try:
-        return command()
-    except UsageError as e:
-        print(f"{prog}: error: {_one_line(str(e))}", file=sys.stderr)
-        return 2
-    except TrainingInterrupted as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return e.exit_code
-    except UnifiedError as e:
-        print(f"{prog}: {type(e).__name__}: {_one_line(str(e))}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        notes = "; ".join(getattr(e, "__notes__", ()))
-        summary = f"{type(e).__name__}: {str(e) or '(no message)'}"
-        if notes:
-            summary += f" ({notes})"
-        print(f"{prog}: error: {_one_line(summary)}; its traceback follows", file=sys.stderr)
-        print(redact("".join(traceback.format_exception(e))), file=sys.stderr, end="")
-        return 1
-
-
-def _one_line(text: str) -> str:
-    """`text` on one line, secrets masked: error messages may quote multi-line causes."""
-    return redact(" ".join(line.strip() for line in text.splitlines() if line.strip()))
-
-
-def _log_with_secrets_masked() -> None:
-    """Send log records (warnings and up, tracebacks included) to stderr with secrets masked,
-    unless the host program configured logging itself (as `logging.basicConfig` would)."""
-    root = logging.getLogger()
-    if not root.handlers:
-        handler = RedactingHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        handler.setLevel(logging.WARNING)
-        root.addHandler(handler)
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -29,9 +29,11 @@ from unified.retry import RetryPolicy
 from unified.types import SamplingParams
 
 __all__ = [
+    "LOSS_AGGREGATIONS",
     "AsyncConfig",
     "DataConfig",
     "LoggingConfig",
+    "OptimizerSection",
     "RetrySection",
     "RolloutConfig",
     "SamplingConfig",
@@ -39,7 +41,11 @@ __all__ = [
     "TrainerSection",
     "apply_overrides",
     "load_config",
+    "refuse_moved_keys",
 ]
+
+LossAggregation = Literal["token_mean", "token_sum", "seq_mean_token_mean", "seq_mean_token_sum"]
+LOSS_AGGREGATIONS: frozenset[str] = frozenset(get_args(LossAggregation))
 
 
 class _Section(BaseModel):
@@ -62,6 +68,24 @@ class RetrySection(_Section):
     load_checkpoint: RetryPolicy = Field(
         default_factory=RetryPolicy, description="Reading it back on resume."
     )
+
+
+class OptimizerSection(_Section):
+    """`trainer.optimizer:` — AdamW and gradient clipping, one spelling for every backend."""
+
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2).")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Gradient clipping norm; null: no clipping."
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_below_one(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= beta < 1 for beta in betas):
+            raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
+        return betas
 
 
 class TrainerSection(_Section):
@@ -109,6 +133,13 @@ class TrainerSection(_Section):
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference.")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+    loss_agg: LossAggregation = Field(
+        "token_mean",
+        description="How token losses aggregate over a step: token_mean (every sampled token "
+        "weighs the same), token_sum (Tinker's raw sum), seq_mean_token_mean / "
+        "seq_mean_token_sum (each trajectory weighs once, however many turns).",
+    )
+    optimizer: OptimizerSection = Field(default_factory=lambda: OptimizerSection())
     filter_groups: bool = Field(
         True, description="Drop groups whose rewards are all equal (no learning signal)."
     )
@@ -186,6 +217,14 @@ class AsyncConfig(_Section):
         False, description="Keep requests running across a weight sync instead of draining."
     )
     max_concurrency: int = Field(64, ge=1, description="Most workflows running at once.")
+    over_admit: float = Field(
+        1.0,
+        ge=0,
+        description="While workflow slots are free, admit this share of a window's groups "
+        "beyond what max_staleness holds; the trainer then trains the first groups ready and "
+        "gives a straggler that misses its deadline back to the task queue (ledger: requeued). "
+        "0: admit only what the bound holds, and wait for stragglers.",
+    )
     dispatch_rate: float | None = Field(
         None, gt=0, description="Most workflow starts per second (e.g. a remote API's limit)."
     )
@@ -346,13 +385,22 @@ def check_rl_groups(config: TrainerConfig) -> None:
 
 def backend_section(model: type[SectionT], config: TrainerConfig, name: str) -> SectionT:
     """A backend's own section (`local:`, `verl:`) validated by `model`; a bad key is a one-line
-    `ConfigError` that names it."""
+    `ConfigError` that names it, a moved one (the model's `moved_keys`) names where it went."""
+    refuse_moved_keys(getattr(config, name), name, getattr(model, "moved_keys", {}))
     try:
         return model.model_validate(getattr(config, name))
     except ValidationError as e:
         first = e.errors()[0]
         key = ".".join(str(p) for p in first["loc"])
         raise ConfigError(f"config key '{name}.{key}': {first['msg']}") from None
+
+
+def refuse_moved_keys(section: Mapping[str, Any], name: str, moved: Mapping[str, str]) -> None:
+    """A key of section `name` that moved (`moved`: old key -> where it went) is a one-line
+    `ConfigError` naming the new key."""
+    for old, new in moved.items():
+        if old in section:
+            raise ConfigError(f"config key '{name}.{old}' has moved: use {new}")
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

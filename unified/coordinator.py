@@ -8,11 +8,21 @@ admitted only while every deadline stays feasible, which works out to
 group is taken only while the groups with earlier deadlines still fit in the slots left
 (`may_take`). A group that ends untrained is `release`d and frees its slot at once.
 
+Over-admission (async mode): while generation has spare capacity, up to `extra` groups more
+than the deadlines can hold are admitted. That many groups will miss their deadline anyway, so
+`may_take` lets the trainer pass over as many unfinished groups with earlier deadlines, and the
+groups whose deadline has passed when a window opens are `expired`: the buffer gives their tasks
+back to the queue. `extra` adapts between 0 and `max_extra`: one more each time the trainer is
+held by an unfinished group while a newer one is ready (`note_blocked`), one less for each group
+that expired ready, which was generated for nothing (`note_wasted`). With `max_extra=0` (always
+in sync mode) no group ever expires.
+
 Pure arithmetic: no waiting, no clocks, no tasks. `TrajectoryGroupBuffer` is its one caller.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -25,12 +35,16 @@ __all__ = ["SyncCoordinator"]
 class SyncCoordinator:
     """Owns the policy version and decides when a group may be admitted or trained."""
 
-    def __init__(self, *, batch_size: int, sync_every: int, max_staleness: int) -> None:
+    def __init__(
+        self, *, batch_size: int, sync_every: int, max_staleness: int, max_extra: int = 0
+    ) -> None:
         self.version = 0
         self.max_staleness = max_staleness
         self.steps_per_window = sync_every
         self.slots_per_window = sync_every * batch_size
         self.capacity = (1 + max_staleness) * self.slots_per_window
+        self.max_extra = max_extra
+        self.extra = 0
         self.taken = 0
         self.wanted: int | None = None
         self._alive: Counter[int] = Counter()
@@ -47,10 +61,12 @@ class SyncCoordinator:
         trainer, async_ = config.trainer, config.async_
         if config.mode == "sync":
             return cls(batch_size=trainer.batch_size, sync_every=1, max_staleness=0)
+        slots = async_.sync_every * trainer.batch_size
         return cls(
             batch_size=trainer.batch_size,
             sync_every=async_.sync_every,
             max_staleness=async_.max_staleness,
+            max_extra=math.ceil(async_.over_admit * slots),
         )
 
     @property
@@ -58,9 +74,16 @@ class SyncCoordinator:
         """Groups admitted and not yet taken for training or ended."""
         return self._alive_total
 
-    def can_admit(self) -> bool:
-        """Whether one more group may be dispatched now (staleness and run length allow it)."""
-        if self._alive_total + self.taken >= self.capacity:
+    @property
+    def surplus(self) -> int:
+        """Groups admitted beyond what the deadlines can hold: that many will expire."""
+        return max(0, self._alive_total + self.taken - self.capacity)
+
+    def can_admit(self, *, spare: bool = False) -> bool:
+        """Whether one more group may be dispatched now (staleness and run length allow it);
+        `spare`: generation has idle capacity, so up to `extra` more groups may go out."""
+        extra = self.extra if spare else 0
+        if self._alive_total + self.taken >= self.capacity + extra:
             return False
         return self.wanted is None or self._alive_total < self.wanted
 
@@ -92,9 +115,10 @@ class SyncCoordinator:
         slots_left = slots - self.taken
         if slots_left <= 0:
             return False
+        may_miss = self.surplus  # groups that will expire anyway: the trainer need not wait
         for deadline in range(self.version, version + s):
             due = sum(c for v, c in self._alive.items() if v + s <= deadline)
-            if due >= slots_left + (deadline - self.version) * slots:
+            if due - may_miss >= slots_left + (deadline - self.version) * slots:
                 return False
         return True
 
@@ -104,9 +128,25 @@ class SyncCoordinator:
         self.taken += 1
 
     def open_window(self, version: int) -> None:
-        """Weights of `version` serve sampling from now on; a new window of slots opens."""
+        """Weights of `version` serve sampling from now on; a new window of slots opens.
+
+        Call `expire` next: groups whose deadline has passed must not stay alive."""
         self.version = version
         self.taken = 0
+
+    def note_blocked(self) -> None:
+        """The trainer waits on an unfinished group with an earlier deadline while a newer group
+        is ready: allow one more group beyond the bound, once the last one allowed went out."""
+        if self.surplus >= self.extra and self.extra < self.max_extra:
+            self.extra += 1
+
+    def note_wasted(self, groups: int) -> None:
+        """`groups` expired ready: they were admitted beyond what the trainer could use."""
+        self.extra = max(0, self.extra - groups)
+
+    def expired(self, version: int) -> bool:
+        """Whether a group dispatched at `version` can no longer train within its deadline."""
+        return version + self.max_staleness < self.version
 
     def restore(self, version: int, *, taken: int) -> None:
         """Resume: weights of `version` are visible and `taken` groups trained in this window."""

@@ -3,7 +3,9 @@
 A group is dispatched (admitted by the coordinator's arithmetic, given a task and a ticket),
 collects its `group_size` episodes in any order, then ends exactly once: *failed* (fewer than two
 usable episodes), *filtered* (all rewards equal: no learning signal) or *ready* (advantages
-computed), and a ready group later ends *trained*. The buffer frees the admission slot of every
+computed), and a ready group later ends *trained*. With over-admission a group whose deadline
+passes before it trains ends *requeued*: its running episodes are cancelled and its task goes
+back to the queue under a new sequence number. The buffer frees the admission slot of every
 group that ends untrained, writes every group's ledger line, and knows which tasks are in flight
 for a checkpoint. Every state change wakes the waiters, and every wait has a deadline.
 """
@@ -27,7 +29,7 @@ from unified.types import Episode, Task, TrajectoryGroup
 
 __all__ = ["EndedGroup", "GroupTicket", "Outcome", "TrajectoryGroupBuffer"]
 
-Outcome = Literal["trained", "filtered", "failed"]
+Outcome = Literal["trained", "filtered", "failed", "requeued"]
 
 
 @dataclass(frozen=True, order=True)
@@ -81,13 +83,19 @@ class TrajectoryGroupBuffer:
         self.unproductive_in_a_row = 0
         self.failed_in_a_row = 0  # of those, the groups that failed (the rest were filtered)
         self.last_unproductive_reason = ""
+        # Generation thrown away by requeued groups, since the last `take_discarded`.
+        self._discarded = {"episodes/discarded": 0.0, "episodes/cancelled": 0.0}
         self._sampler = tasks
         self._ledger = ledger
         self._stall_timeout_s = stall_timeout_s
-        self._redispatch: deque[tuple[Task, int]] = deque()
+        # Tasks to dispatch before new ones, with their sequence number (None: a new one).
+        self._redispatch: deque[tuple[Task, int | None]] = deque()
         # Every dispatched group not yet ended, by group id: its task and sequence number.
         self._tasks: dict[str, tuple[Task, int]] = {}
         self._episodes: dict[str, list[Episode]] = {}  # groups still generating
+        self._rollouts: dict[str, tuple[GroupTicket, list[asyncio.Task[None]]]] = {}
+        self.episodes_running = 0
+        """Episodes of dispatched groups not yet finished (running, or waiting for a slot)."""
         self._ready: list[tuple[GroupTicket, TrajectoryGroup]] = []  # a heap, oldest first
         self._ended: list[EndedGroup] = []
         self._changed = asyncio.Event()
@@ -100,16 +108,23 @@ class TrajectoryGroupBuffer:
     def dispatch(self) -> tuple[GroupTicket, Task]:
         """Admit one group (call only when `coordinator.can_admit()`); return it and its task."""
         if self._redispatch:
-            task, seq = self._redispatch.popleft()
+            task, old_seq = self._redispatch.popleft()
+            seq = self._new_seq() if old_seq is None else old_seq
         else:
             task, seq = self._sampler.next(), self._new_seq()
         ticket = GroupTicket(self.coordinator.admit(), seq, f"g{seq:06d}-{task.id}", task.id)
         self._tasks[ticket.group_id] = (task, seq)
         self._episodes[ticket.group_id] = []
+        self._rollouts[ticket.group_id] = (ticket, [])
+        self.episodes_running += self.group_size
         if self._idle_since is not None:
             self._idle_s += time.monotonic() - self._idle_since
             self._idle_since = None
         return ticket, task
+
+    def running(self, ticket: GroupTicket, rollouts: list[asyncio.Task[None]]) -> None:
+        """The tasks that run the episodes of a just dispatched group (cancelled if it expires)."""
+        self._rollouts[ticket.group_id][1].extend(rollouts)
 
     def set_wanted(self, groups: int) -> None:
         """Admit no more groups than the run still needs to train."""
@@ -117,20 +132,62 @@ class TrajectoryGroupBuffer:
         self._notify()
 
     def open_window(self, version: int) -> None:
-        """Weights of `version` serve sampling now; a new window of admission slots opens."""
+        """Weights of `version` serve sampling now; a new window of admission slots opens, and
+        groups that can no longer train within `max_staleness` are requeued."""
         self.coordinator.open_window(version)
+        expired = self.coordinator.expired
+        for ticket, rollouts in [r for r in self._rollouts.values() if expired(r[0].version)]:
+            for rollout in rollouts:
+                rollout.cancel()
+            self._requeue(ticket, finished=len(self._episodes[ticket.group_id]))
+        wasted = 0
+        while self._ready and expired(self._ready[0][0].version):
+            self._requeue(heapq.heappop(self._ready)[0], finished=self.group_size)
+            wasted += 1
+        self.coordinator.note_wasted(wasted)
         self._notify()
+
+    def _requeue(self, ticket: GroupTicket, *, finished: int) -> None:
+        self._rollouts.pop(ticket.group_id, None)
+        self.coordinator.release(ticket.version)
+        task, _ = self._tasks.pop(ticket.group_id)
+        self._redispatch.append((task, None))
+        self._discarded["episodes/discarded"] += finished
+        self._discarded["episodes/cancelled"] += self.group_size - finished
+        if ticket.group_id in self._episodes:  # still generating: its unfinished ones are cut
+            del self._episodes[ticket.group_id]
+            self.episodes_running -= self.group_size - finished
+            if not self._episodes:
+                self._idle_since = time.monotonic()
+        reason = (
+            f"missed its deadline (dispatched at version {ticket.version}, weights at "
+            f"{self.coordinator.version}, max_staleness {self.coordinator.max_staleness}) with "
+            f"{finished} of {self.group_size} episodes done; its task is dispatched again"
+        )
+        self._ended.append(EndedGroup(ticket, "requeued", ticket.version, reason, ()))
+
+    def take_discarded(self) -> dict[str, float]:
+        """Episodes of requeued groups since the last call: finished and thrown away
+        (`episodes/discarded`), or cancelled while running (`episodes/cancelled`)."""
+        discarded = dict(self._discarded)
+        self._discarded = dict.fromkeys(discarded, 0.0)
+        return discarded
 
     # -- episodes and outcomes ------------------------------------------------------------------
 
     def add_episode(self, ticket: GroupTicket, episode: Episode) -> None:
         """One finished episode; the group ends when its `group_size`-th episode arrives."""
         self._progress_at = time.monotonic()  # progress for the stall clock, short of a change
-        episodes = self._episodes[ticket.group_id]
+        episodes = self._episodes.get(ticket.group_id)
+        if episodes is None:  # the group was requeued as this episode finished
+            self._discarded["episodes/discarded"] += 1
+            return
+        self.episodes_running -= 1
         episodes.append(episode)
         if len(episodes) < self.group_size:
             return
         del self._episodes[ticket.group_id]
+        self._rollouts.pop(ticket.group_id, None)
         if not self._episodes:
             self._idle_since = time.monotonic()
         episodes.sort(key=lambda e: e.rollout_index)
@@ -184,7 +241,15 @@ class TrajectoryGroupBuffer:
     def take_ready(self) -> tuple[GroupTicket, TrajectoryGroup] | None:
         """The oldest ready group, if the staleness arithmetic lets it train now."""
         # may_take is monotone in the version: if the oldest may not train, no newer one may.
-        if not self._ready or not self.coordinator.may_take(self._ready[0][0].version):
+        c = self.coordinator
+        if not self._ready:
+            return None
+        if not c.may_take(self._ready[0][0].version):
+            if c.taken < c.slots_per_window:  # held by an earlier deadline, not a full window
+                extra = c.extra
+                c.note_blocked()
+                if c.extra != extra:
+                    self._notify()  # the dispatcher may admit one more
             return None
         ticket, group = heapq.heappop(self._ready)
         self.coordinator.take(ticket.version)
@@ -202,7 +267,8 @@ class TrajectoryGroupBuffer:
             await asyncio.to_thread(self._ledger, lines)
         for e in ended:
             # Until its line is written a group counts as in flight: resume dispatches it again.
-            del self._tasks[e.ticket.group_id]
+            # (A requeued group's task already waits to be dispatched again.)
+            self._tasks.pop(e.ticket.group_id, None)
         return ended
 
     async def write_trained(
@@ -223,7 +289,7 @@ class TrajectoryGroupBuffer:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def in_flight(self) -> list[tuple[str, int]]:
+    def in_flight(self) -> list[tuple[str, int | None]]:
         """(task id, sequence number) of the groups to dispatch again on resume, in dispatch
         order: dispatched groups not yet ended, then those still waiting to be dispatched again."""
         return [(task.id, seq) for task, seq in [*self._tasks.values(), *self._redispatch]]
@@ -241,8 +307,7 @@ class TrajectoryGroupBuffer:
         each under its old sequence number (so its id and rollout seeds) when it has one."""
         self.coordinator.restore(version, taken=taken)
         self.next_seq = next_seq
-        for task, seq in redispatch:
-            self._redispatch.append((task, self._new_seq() if seq is None else seq))
+        self._redispatch.extend(redispatch)
         self._notify()
 
     def _new_seq(self) -> int:

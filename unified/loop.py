@@ -222,16 +222,27 @@ class TrainingLoop:
     # -- generation -------------------------------------------------------------------------------
 
     async def _dispatch(self) -> None:
-        """Admit groups whenever the coordinator allows; their workflows run as tasks here."""
+        """Admit groups whenever the coordinator allows; their workflows run as tasks here.
+
+        While a whole group would find free workflow slots, the coordinator may admit groups
+        beyond what the staleness bound holds (`async.over_admit`)."""
         group_size = self.config.trainer.group_size
-        can_admit = self.coordinator.can_admit
+        max_concurrency = self.config.async_.max_concurrency
+
+        def can_admit() -> bool:
+            spare = self.groups.episodes_running + group_size <= max_concurrency
+            return self.coordinator.can_admit(spare=spare)
+
         async with asyncio.TaskGroup() as rollouts:
             while True:
                 # No stall clock: only the trainer frees slots, and its own waits have deadlines.
                 await self.groups.wait_until(can_admit, "an admission slot", stall_clock=False)
                 ticket, task = self.groups.dispatch()
-                for index in range(group_size):
+                started = [
                     rollouts.create_task(self._rollout(ticket, task, index))
+                    for index in range(group_size)
+                ]
+                self.groups.running(ticket, started)
 
     async def _rollout(self, ticket: GroupTicket, task: Task, index: int) -> None:
         settings = self.config.trainer
@@ -378,6 +389,7 @@ class TrainingLoop:
             sync_s = await self._sync_weights()
         elif self.step % self.coordinator.steps_per_window == 0:
             self.groups.open_window(self.coordinator.version)
+        self._record_ended(await self.groups.write_ended(self.step))  # the requeued, if any
         self.groups.set_wanted(self._groups_wanted(0))
         staleness = [version - group.policy_version for _, group in items]
         now = time.monotonic()
@@ -396,6 +408,8 @@ class TrainingLoop:
                 "groups/filtered": 0.0,
                 "episodes/errors": 0.0,
                 "episodes/timeouts": 0.0,
+                "groups/requeued": 0.0,
+                **self.groups.take_discarded(),
                 "staleness/mean": sum(staleness) / len(staleness),
                 "staleness/max": float(max(staleness)),
                 "optim/lr": learning_rate(settings, self.step - 1),
@@ -470,7 +484,8 @@ class TrainingLoop:
     def _record_ended(self, ended: list[EndedGroup]) -> None:
         for group in ended:
             self.metrics.record(f"groups/{group.outcome}", 1.0)
-            self._record_rewards(group.rewards)
+            if group.outcome != "requeued":  # its episodes run again: their rewards count then
+                self._record_rewards(group.rewards)
 
     def _record_rewards(self, rewards: Sequence[float]) -> None:
         """Rewards of groups that ended this step (trained or not): `reward/mean`, `/std`."""

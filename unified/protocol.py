@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_chec
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from unified.config import LOSS_AGGREGATIONS
 from unified.types import ModelOutput, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -89,6 +90,18 @@ class BackendCapabilities(BaseModel):
     )
     truncated_is: bool = Field(
         False, description="Honours trainer.tis_cap (truncated importance sampling)."
+    )
+    loss_aggregations: frozenset[str] = Field(
+        LOSS_AGGREGATIONS, description="trainer.loss_agg modes honoured."
+    )
+    scoring_temperature: Literal["per_sequence", "per_step", "one"] = Field(
+        "per_sequence",
+        description="Which scoring temperatures (`unified.sequences.scoring_temperature`) it "
+        "honours: each sequence its own; one per optimizer step (a step that mixes them is an "
+        "error); only 1 (sampling.train.temperature must be 1 for policy losses).",
+    )
+    unclipped_gradients: bool = Field(
+        True, description="Honours trainer.optimizer.max_grad_norm=null (no clipping)."
     )
     kl_penalty: bool = Field(True, description="Honours trainer.kl_coef > 0.")
     entropy_bonus: bool = Field(True, description="Honours trainer.entropy_coef > 0.")
@@ -224,6 +237,20 @@ def check_capabilities(config: TrainerConfig, backend: BackendProtocol) -> None:
         raise refuse("async.partial_rollout", True, "set async.partial_rollout=false")
     if isinstance(trainer.tis_cap, float) and not caps.truncated_is:
         raise refuse("trainer.tis_cap", trainer.tis_cap, "set trainer.tis_cap=null or auto")
+    if trainer.loss_agg not in caps.loss_aggregations:
+        supported = ", ".join(sorted(caps.loss_aggregations))
+        raise refuse("trainer.loss_agg", trainer.loss_agg, f"it supports: {supported}")
+    temperature = config.sampling.train.temperature
+    if caps.scoring_temperature == "one" and trainer.loss != "cross_entropy" and temperature != 1:
+        raise refuse(
+            "sampling.train.temperature",
+            temperature,
+            "its losses score tokens at temperature 1; set it to 1.0",
+        )
+    if trainer.optimizer.max_grad_norm is None and not caps.unclipped_gradients:
+        raise refuse(
+            "trainer.optimizer.max_grad_norm", None, "it always clips; set a norm (e.g. 1.0)"
+        )
     if trainer.kl_coef > 0 and not caps.kl_penalty:
         raise refuse("trainer.kl_coef", trainer.kl_coef, "set trainer.kl_coef=0")
     if trainer.entropy_coef > 0 and not caps.entropy_bonus:

@@ -1,23 +1,6 @@
-"""The local backend: in-process PyTorch policies, built-in or from a local model directory."""
+"""The local backend: in-process PyTorch policies, built-in or from a local model directory.
 
-from backends.local.builtin import (
-    BUILTIN_PREFIX,
-    BUILTIN_SIZES,
-    build_model,
-    build_tokenizer,
-    chat_prompt_ids,
-    is_builtin,
-    load_policy,
-    save_policy,
-)
-
-__all__ = [
-    "BUILTIN_PREFIX",
-    "BUILTIN_SIZES",
-    "build_model",
-    "build_tokenizer",
-    "chat_prompt_ids",
-    "is_builtin",
-    "load_policy",
-    "save_policy",
-]
+`backend.py` is `LocalBackend`; the torch pieces it trains and samples with (sampler, decoding,
+prefix cache, built-in models, losses) live in the torch kit, `torchkit/`, which the other
+backends and the Tinker-compatible server share. Importing this package loads nothing.
+"""

@@ -5,38 +5,41 @@ The trainer model learns; the sampler holds its own copy of the weights that onl
 `train/kl_sample_train` measures that gap. A sync swaps the new weights in between sampler
 batches (a running batch finishes on the old ones, or with `async.partial_rollout` is cut and
 continues on the new ones), so it waits for no request. Stale tokens are corrected by truncated
-importance sampling (`trainer.tis_cap`, on by default in async mode; see `losses.py`). Gradients of
-several `forward_backward` calls accumulate until `optim_step` (AdamW, gradient clipping). Every
-blocking call runs in a worker thread; in async mode the KL reference is scored in one more,
-beside the policy's pass (`local.overlap_reference`). Checkpoints are safetensors: model,
-sampler, optimizer and RNG.
+importance sampling (`trainer.tis_cap`, on by default in async mode; see `torchkit/losses.py`).
+Gradients of several `forward_backward` calls accumulate until `optim_step` (AdamW, gradient
+clipping). Every blocking call runs in a worker thread; in async mode the KL reference is scored
+in one more, beside the policy's pass (`local.overlap_reference`). Checkpoints are safetensors:
+model, sampler (`torchkit/snapshots.py`), optimizer and RNG. The torch pieces (sampler, losses,
+built-in models, the rollout engine) are the torch kit's (`torchkit/`), shared with verl and the
+Tinker-compatible server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar, Literal, NamedTuple, Protocol
+from typing import Any, ClassVar, Literal, NamedTuple, cast, get_args
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
-from backends.local.builtin import chat_prompt_ids, check_model_spec, load_policy, save_policy
-from backends.local.losses import (
+from torchkit.builtin import check_model_spec, load_policy, save_policy
+from torchkit.engine import LocalEngine
+from torchkit.losses import (
     LossAggregation,
     full_kl,
     kl_penalty,
     per_token_loss,
     token_weights,
 )
-from backends.local.sampler import BatchingSampler
+from torchkit.sampler import BatchingSampler
+from torchkit.snapshots import contiguous, load_sampler, read_meta, save_sampler
 from unified.config import TrainerConfig, backend_section
 from unified.errors import BackendError, ConfigError
 from unified.model_provider import is_model_provider
@@ -44,18 +47,26 @@ from unified.protocol import (
     BackendCapabilities,
     BackendProtocol,
     RolloutEngine,
-    Tokenizer,
     resolve_tis_cap,
 )
-from unified.types import ModelOutput, SamplingParams, TrajectoryGroup
+from unified.sequences import TrainingSequence, sequences_of
+from unified.types import TrajectoryGroup
 
-__all__ = ["LocalBackend", "LocalConfig", "LocalEngine", "SamplerHost", "Threads", "split_threads"]
+__all__ = ["LocalBackend", "LocalConfig", "Threads", "split_threads"]
 
 
 class LocalConfig(BaseModel):
     """`local:` — settings of the local backend."""
 
     model_config = ConfigDict(extra="forbid")
+    moved_keys: ClassVar[dict[str, str]] = {
+        "micro_batch": "local.forward_batch_size",
+        "loss_agg": "trainer.loss_agg",
+        "betas": "trainer.optimizer.betas",
+        "eps": "trainer.optimizer.eps",
+        "weight_decay": "trainer.optimizer.weight_decay",
+        "max_grad_norm": "trainer.optimizer.max_grad_norm",
+    }
 
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda if available.")
     threads: int | None = Field(
@@ -89,15 +100,11 @@ class LocalConfig(BaseModel):
         description="Memory for the keys and values of finished requests, reused by prompts "
         "that extend them (an agent's next turn prefills only its new tokens); 0: off.",
     )
-    micro_batch: int = Field(
+    forward_batch_size: int = Field(
         32,
         ge=1,
         description="Sequences per training forward pass (32: the fastest on CPU, "
         "bench/micro_batch.py).",
-    )
-    loss_agg: LossAggregation = Field(
-        "token_mean",
-        description="How token losses aggregate; seq_mean_* weigh each trajectory once.",
     )
     kl_clamp: float | None = Field(
         None,
@@ -109,10 +116,6 @@ class LocalConfig(BaseModel):
         description="k3: the sampled token's estimator (verl's low_var_kl); full: exact KL over "
         "the vocabulary at each position, which also sees mass moved onto unsampled tokens.",
     )
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     seed: int = Field(0, description="Seed of built-in model initialisation.")
 
 
@@ -146,80 +149,15 @@ def split_threads(total: int, sampler: int | None, concurrent: bool) -> Threads:
     return Threads(share, total - share if share < total else total)
 
 
+_Chunk = list[TrainingSequence]  # sequences scored in one forward pass
+
+
 class _Scores(NamedTuple):
-    """The trainer model's view of a chunk's completion tokens, flattened in order."""
+    """The trainer model's view of a chunk's sampled tokens, flattened in order."""
 
     logp_T: torch.Tensor  # of each sampled token
     entropy_T: torch.Tensor  # zeros unless asked for
-    log_probs_TV: torch.Tensor  # over the vocabulary, at each completion position
-
-
-class _Sample:
-    """One model call of a trajectory, ready to be scored by the trainer model."""
-
-    __slots__ = ("advantage", "completion", "old_logprobs", "prompt", "temperature")
-
-    def __init__(
-        self,
-        prompt: list[int],
-        completion: list[int],
-        old: list[float],
-        adv: float,
-        temperature: float = 1.0,
-    ):
-        self.prompt, self.completion, self.old_logprobs = prompt, completion, old
-        self.advantage, self.temperature = adv, temperature
-
-
-class _Row:
-    """One forward sequence: a run of a trajectory's model calls (`Trajectory.sequences`) scored
-    in one pass, so a multi-turn episode costs its length, not the sum of its prompts. Each
-    sample's completion begins in `ids` where its prompt ends."""
-
-    __slots__ = ("ids", "samples")
-
-    def __init__(self, samples: list[_Sample]) -> None:
-        last = samples[-1]
-        self.ids = last.prompt + last.completion
-        self.samples = samples
-
-    @property
-    def tokens(self) -> int:
-        """Completion tokens scored in this row."""
-        return sum(len(s.completion) for s in self.samples)
-
-
-class SamplerHost(Protocol):
-    """What `LocalEngine` samples through: a tokenizer and a `BatchingSampler` (local, verl)."""
-
-    tokenizer: Any
-    sampler: BatchingSampler
-
-
-class LocalEngine(RolloutEngine):
-    """Chat template + the batching sampler."""
-
-    def __init__(self, backend: SamplerHost) -> None:
-        self._backend = backend
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._backend.tokenizer  # type: ignore[no-any-return]
-
-    def encode_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
-    ) -> list[int]:
-        return chat_prompt_ids(
-            self._backend.tokenizer, messages, add_generation_prompt=add_generation_prompt
-        )
-
-    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
-        return await self.complete(self.encode_chat(messages), **sampling)
-
-    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
-        return await self._backend.sampler.generate(
-            prompt_ids, SamplingParams.model_validate(sampling)
-        )
+    log_probs_TV: torch.Tensor  # over the vocabulary, at each sampled token's position
 
 
 class LocalBackend(BackendProtocol):
@@ -228,7 +166,11 @@ class LocalBackend(BackendProtocol):
     name: ClassVar[str] = "local"
     # The `local:` section's model: `--dry-run` shows its defaults.
     section_model: ClassVar[type[BaseModel]] = LocalConfig
-    capabilities = BackendCapabilities(partial_rollout=True, truncated_is=True)
+    capabilities = BackendCapabilities(
+        partial_rollout=True,
+        truncated_is=True,
+        loss_aggregations=frozenset(get_args(LossAggregation)),
+    )
 
     def __init__(self) -> None:
         self.settings = LocalConfig()
@@ -280,15 +222,15 @@ class LocalBackend(BackendProtocol):
         self.reference = None
         if config.trainer.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        adam = config.trainer.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=config.trainer.lr,
-            betas=s.betas,
-            eps=s.eps,
-            weight_decay=s.weight_decay,
+            betas=adam.betas,
+            eps=adam.eps,
+            weight_decay=adam.weight_decay,
         )
         self._drop_gradients()  # a new model; drop the count of a step an earlier run abandoned
-        self.temperature = config.sampling.train.temperature or 1.0
 
     def rollout_engine(self) -> RolloutEngine:
         return LocalEngine(self)
@@ -317,21 +259,16 @@ class LocalBackend(BackendProtocol):
     # -- training -----------------------------------------------------------------------------
 
     def _forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        sequences: list[int] = []  # the trajectory of each sample: one sequence for `loss_agg`
-        rows: list[_Row] = []  # in sample order, so the rows' tokens line up with `weights_T`
-        trajectories = (
-            (trajectory, adv)
-            for g in groups
-            for episode, adv in zip(g.episodes, g.advantages, strict=True)
-            for trajectory in episode.trajectories
+        # In sequence order, so the sequences' sampled tokens line up with `weights_T`.
+        sampling = self.config.sampling.train
+        sequences = sequences_of(
+            groups, loss=self.config.trainer.loss, temperature=sampling.temperature
         )
-        for index, (trajectory, adv) in enumerate(trajectories):
-            for run in trajectory.sequences():
-                row = _Row([self._sample(out, adv) for out in run])
-                rows.append(row)
-                sequences += [index] * len(run)
-        lengths = [len(s.completion) for row in rows for s in row.samples]
-        weights_T, step_norm = token_weights(lengths, self.settings.loss_agg, sequences)
+        weights_T, step_norm = token_weights(
+            [seq.sampled_count for seq in sequences],
+            cast(LossAggregation, self.config.trainer.loss_agg),  # one of `capabilities`'
+            [seq.trajectory_id for seq in sequences],  # `seq_mean_*`: a trajectory weighs once
+        )
         totals = {
             "loss": 0.0,
             "kl": 0.0,
@@ -343,8 +280,8 @@ class LocalBackend(BackendProtocol):
             "is_capped": 0.0,
             "tokens": 0.0,
         }
-        size = self.settings.micro_batch
-        chunks = [rows[start : start + size] for start in range(0, len(rows), size)]
+        size = self.settings.forward_batch_size
+        chunks = [sequences[start : start + size] for start in range(0, len(sequences), size)]
         # The reference scores chunk i + 1 while the policy's pass runs on chunk i: one ahead,
         # so at most two chunks' reference scores are held at once.
         current: Future[_Scores] | None = None
@@ -353,7 +290,7 @@ class LocalBackend(BackendProtocol):
             offset = 0
             for index, chunk in enumerate(chunks):
                 current, ahead = ahead, self._reference_score(chunks, index + 1)
-                n = sum(row.tokens for row in chunk)
+                n = sum(seq.sampled_count for seq in chunk)
                 self._backward_chunk(chunk, current, weights_T[offset : offset + n], totals)
                 offset += n
                 current = None
@@ -378,11 +315,7 @@ class LocalBackend(BackendProtocol):
             metrics["train/is_clipped_frac"] = totals["is_capped"] / n
         return metrics
 
-    def _sample(self, out: ModelOutput, advantage: float) -> _Sample:
-        temperature = self._scoring_temperature(out.temperature)
-        return _Sample(out.prompt_ids, out.completion_ids, out.logprobs, advantage, temperature)
-
-    def _reference_score(self, chunks: list[list[_Row]], index: int) -> Future[_Scores] | None:
+    def _reference_score(self, chunks: list[_Chunk], index: int) -> Future[_Scores] | None:
         """The reference model's scores of `chunks[index]`, started now in the reference thread
         when it overlaps the policy's pass; None past the last chunk or when scored inline."""
         pool = self._reference_pool
@@ -390,7 +323,7 @@ class LocalBackend(BackendProtocol):
             return None
         return pool.submit(self._score_reference, chunks[index])
 
-    def _score_reference(self, chunk: list[_Row]) -> _Scores:
+    def _score_reference(self, chunk: _Chunk) -> _Scores:
         assert self.reference is not None
         torch.set_num_threads(self._threads.sampler)  # OpenMP counts per OS thread
         with torch.no_grad():  # thread-local: set here, not by the caller
@@ -401,18 +334,15 @@ class LocalBackend(BackendProtocol):
 
     def _backward_chunk(
         self,
-        chunk: list[_Row],
+        chunk: _Chunk,
         reference: Future[_Scores] | None,
         weights_T: torch.Tensor,
         totals: dict[str, float],
     ) -> None:
         t = self.config.trainer
         logp_T, entropy_T, log_probs_TV = self._score(self.model, chunk, with_entropy=True)
-        samples = [s for row in chunk for s in row.samples]
-        old_T = torch.tensor([lp for s in samples for lp in s.old_logprobs], device=self.device)
-        adv_T = torch.tensor(
-            [s.advantage for s in samples for _ in s.completion], device=self.device
-        )
+        old_T = torch.tensor(_sampled(chunk, "logprobs"), device=self.device)
+        adv_T = torch.tensor(_sampled(chunk, "advantages"), device=self.device)
         terms = per_token_loss(
             t.loss, logp_T, old_T, adv_T, clip_ratio=t.clip_ratio, tis_cap=self.tis_cap
         )
@@ -444,35 +374,23 @@ class LocalBackend(BackendProtocol):
             totals["is_capped"] += float(terms.is_capped_T.sum())
         totals["tokens"] += float(len(logp_T))
 
-    def _scoring_temperature(self, sampled_at: float | None) -> float:
-        """Score at the temperature the logprobs were sampled under; plain likelihood for SFT."""
-        if self.config.trainer.loss == "cross_entropy":
-            return 1.0
-        temperature = sampled_at if sampled_at is not None else self.temperature
-        return temperature if temperature > 0 else 1.0
-
-    def _score(self, model: torch.nn.Module, chunk: list[_Row], *, with_entropy: bool) -> _Scores:
-        """Log-probabilities (and entropies) of the rows' completion tokens, flattened in order."""
-        width = max(len(row.ids) for row in chunk)
+    def _score(self, model: torch.nn.Module, chunk: _Chunk, *, with_entropy: bool) -> _Scores:
+        """Log-probabilities (and entropies) of the chunk's sampled tokens, flattened in order."""
+        width = max(len(seq.tokens) for seq in chunk)
         pad = self.tokenizer.pad_token_id or 0
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        for i, row in enumerate(chunk):
-            ids[i, : len(row.ids)] = torch.tensor(row.ids)
+        for i, seq in enumerate(chunk):
+            ids[i, : len(seq.tokens)] = torch.tensor(seq.tokens)
         # Rows are right-padded: under causal attention no real token sees a pad, so no mask is
         # needed, and without one attention takes its faster causal path (1.09x a pass on CPU).
         logits = model(input_ids=ids.to(self.device)).logits
-        # One gather for every completion token of the chunk (row i, position p-1+j predicts
-        # token j): per-sample slicing would add autograd nodes per sample.
-        spans = [(i, s) for i, row in enumerate(chunk) for s in row.samples]
-        rows_T = torch.tensor([i for i, s in spans for _ in s.completion], dtype=torch.long)
-        positions_T = torch.tensor(
-            [len(s.prompt) - 1 + j for _, s in spans for j in range(len(s.completion))],
-            dtype=torch.long,
-        )
-        targets_T = torch.tensor([t for _, s in spans for t in s.completion], device=self.device)
-        temperatures_T = torch.tensor(
-            [s.temperature for _, s in spans for _ in s.completion], device=self.device
-        )
+        # One gather for every sampled token of the chunk (row i, position j-1 predicts token j):
+        # per-sequence slicing would add autograd nodes per sequence.
+        spans = [(i, j, seq) for i, seq in enumerate(chunk) for j in _sampled_positions(seq)]
+        rows_T = torch.tensor([i for i, _, _ in spans], dtype=torch.long)
+        positions_T = torch.tensor([j - 1 for _, j, _ in spans], dtype=torch.long)
+        targets_T = torch.tensor([seq.tokens[j] for _, j, seq in spans], device=self.device)
+        temperatures_T = torch.tensor([seq.temperature for _, _, seq in spans], device=self.device)
         picked = logits[rows_T.to(self.device), positions_T.to(self.device)].float()
         log_probs = torch.log_softmax(picked / temperatures_T[:, None], -1)
         logp_T = log_probs.gather(1, targets_T[:, None])[:, 0]
@@ -496,7 +414,8 @@ class LocalBackend(BackendProtocol):
         for p in params:
             assert p.grad is not None
             p.grad.div_(norm)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm))
+        max_norm = self.config.trainer.optimizer.max_grad_norm or math.inf  # null: no clipping
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         if not (loss_finite and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             return {"train/skipped_steps": 1.0}
@@ -512,8 +431,7 @@ class LocalBackend(BackendProtocol):
 
     def _save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        save_file(_contiguous(self.model.state_dict()), directory / "model.safetensors")
-        save_file(_contiguous(self.sampler.model.state_dict()), directory / "sampler.safetensors")
+        save_file(contiguous(self.model.state_dict()), directory / "model.safetensors")
         state = self.optimizer.state_dict()
         tensors = {
             f"state.{index}.{name}": value
@@ -521,9 +439,8 @@ class LocalBackend(BackendProtocol):
             for name, value in entry.items()
         }
         tensors["rng.torch"] = torch.get_rng_state()
-        save_file(_contiguous(tensors), directory / "optimizer.safetensors")
-        meta = {"param_groups": state["param_groups"], "sampler_version": self.sampler.version}
-        (directory / "backend.json").write_text(json.dumps(meta))
+        save_file(contiguous(tensors), directory / "optimizer.safetensors")
+        save_sampler(self.sampler, directory, param_groups=state["param_groups"])
 
     async def load_checkpoint(self, directory: Path) -> None:
         await self.sampler.wait_idle()
@@ -535,9 +452,8 @@ class LocalBackend(BackendProtocol):
             self.model.load_state_dict(weights)
         except RuntimeError as e:
             raise BackendError(f"checkpoint {directory} does not match the model: {e}") from e
-        meta = json.loads((directory / "backend.json").read_text())
-        sampler_weights = load_file(directory / "sampler.safetensors")
-        self.sampler.load_weights(sampler_weights, meta["sampler_version"])
+        meta = read_meta(directory)
+        load_sampler(self.sampler, directory, meta)
         tensors = load_file(directory / "optimizer.safetensors")
         torch.set_rng_state(tensors.pop("rng.torch"))
         state: dict[int, dict[str, torch.Tensor]] = {}
@@ -575,6 +491,10 @@ class LocalBackend(BackendProtocol):
         return True
 
 
-def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # Clones: safetensors refuses tensors that share storage (tied embeddings do).
-    return {k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}
+def _sampled_positions(sequence: TrainingSequence) -> list[int]:
+    return [j for j, sampled in enumerate(sequence.mask) if sampled]
+
+
+def _sampled(chunk: _Chunk, name: str) -> list[float]:
+    """The per-token list `name` of the chunk's sampled tokens, flattened in order."""
+    return [v for seq in chunk for v, s in zip(getattr(seq, name), seq.mask, strict=True) if s]

@@ -30,22 +30,17 @@ from pydantic import BaseModel
 from tinker.lib.base_url import resolve_base_url
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from backends.local.backend import LocalEngine
-from backends.local.builtin import load_tokenizer
 from backends.tinker.config import TinkerConfig
-from backends.tinker.datums import (
-    TokenSequence,
-    fold_entropy_bonus,
-    fold_kl_penalty,
-    group_sequences,
-    to_datum,
-)
+from backends.tinker.datums import to_datum
 from backends.tinker.server_process import ServerProcess
+from torchkit.builtin import load_tokenizer
+from torchkit.engine import LocalEngine
 from unified.config import TrainerConfig
 from unified.errors import BackendError, ConfigError, TransientBackendError, UsageError
 from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine, RunStatus
 from unified.redaction import register
 from unified.retry import NO_RETRY, retrying
+from unified.sequences import TrainingSequence, fold_kl_penalty, sampled_entropy, sequences_of
 from unified.threads import in_daemon_thread
 from unified.types import ModelOutput, SamplingParams, TrajectoryGroup
 
@@ -66,7 +61,7 @@ class _Pending:
     """A submitted forward_backward and the sequences it scores."""
 
     future: Any
-    sequences: list[TokenSequence]
+    sequences: list[TrainingSequence]
 
 
 class TinkerEngine(LocalEngine):
@@ -87,7 +82,12 @@ class TinkerBackend(BackendProtocol):
     # The `tinker:` section's model: `--dry-run` shows its defaults.
     section_model: ClassVar[type[BaseModel]] = TinkerConfig
     # Tinker's built-in losses have neither a KL nor an entropy term: both fold into advantages.
-    capabilities = BackendCapabilities(partial_rollout=False)
+    # They score at temperature 1, and sum token losses (token_mean divides by the call's tokens).
+    capabilities = BackendCapabilities(
+        partial_rollout=False,
+        loss_aggregations=frozenset({"token_mean", "token_sum"}),
+        scoring_temperature="one",
+    )
 
     def __init__(self) -> None:
         self.settings = TinkerConfig()
@@ -176,24 +176,19 @@ class TinkerBackend(BackendProtocol):
         self._publish(await self._new_sampling_client(), version=version)
 
     def check_config(self, config: TrainerConfig) -> None:
-        settings = TinkerConfig.from_section(config.tinker)
+        TinkerConfig.from_section(config.tinker)
         micro = config.trainer.micro_batch_size
         if (
-            settings.loss_agg == "token_mean"
+            config.trainer.loss_agg == "token_mean"
             and micro is not None
             and micro < config.trainer.batch_size
         ):
             raise ConfigError(
-                f"tinker.loss_agg token_mean averages each forward_backward call on its own: with "
-                f"trainer.micro_batch_size {micro} < batch_size {config.trainer.batch_size} a "
-                "step would sum the means of its micro-batches (short ones weigh more per token); "
-                "set tinker.loss_agg: token_sum, or leave trainer.micro_batch_size unset"
-            )
-        temperature = config.sampling.train.temperature
-        if config.trainer.loss != "cross_entropy" and temperature != 1.0:
-            raise ConfigError(
-                f"sampling.train.temperature={temperature:g} is not supported by backend "
-                "'tinker': its losses score tokens at temperature 1; set it to 1.0"
+                f"trainer.loss_agg token_mean averages each forward_backward call on its own "
+                f"on tinker: with trainer.micro_batch_size {micro} < batch_size "
+                f"{config.trainer.batch_size} a step would sum the means of its micro-batches "
+                "(short ones weigh more per token); set trainer.loss_agg: token_sum, or leave "
+                "trainer.micro_batch_size unset"
             )
 
     async def _start_local_server(self, config: TrainerConfig) -> str:
@@ -330,19 +325,24 @@ class TinkerBackend(BackendProtocol):
         self.lr = lr
 
     async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        sequences = group_sequences(groups)
+        loss = self.config.trainer.loss
+        # Tinker's losses have no entropy term: the bonus folds into the advantages.
+        sequences = sequences_of(
+            groups,
+            loss=loss,
+            temperature=self.config.sampling.train.temperature,
+            entropy_fold=self.config.trainer.entropy_coef if loss != "cross_entropy" else None,
+        )
         if not sequences:
             return {}
         metrics: dict[str, float] = {}
         if self.reference is not None:
             metrics["train/kl_reference"] = await self._fold_kl(sequences)
-        loss = self.config.trainer.loss
         if loss != "cross_entropy":
             # Sampled at temperature 1: the mean -logprob estimates the policy's entropy.
-            coef = self.config.trainer.entropy_coef
-            metrics["train/entropy"] = fold_entropy_bonus(sequences, coef)
+            metrics["train/entropy"] = sampled_entropy(sequences)
         tokens = sum(seq.sampled_count for seq in sequences)
-        scale = 1.0 / max(1, tokens) if self.settings.loss_agg == "token_mean" else 1.0
+        scale = 1.0 / max(1, tokens) if self.config.trainer.loss_agg == "token_mean" else 1.0
         datums = [to_datum(seq, loss, scale) for seq in sequences]
         loss_config = None
         if loss in ("ppo", "cispo"):
@@ -353,7 +353,7 @@ class TinkerBackend(BackendProtocol):
         self._pending.append(_Pending(future=future, sequences=sequences))
         return metrics
 
-    async def _fold_kl(self, sequences: list[TokenSequence]) -> float:
+    async def _fold_kl(self, sequences: list[TrainingSequence]) -> float:
         """Score `sequences` under the reference in one `forward`; fold the penalty in."""
         reference = self.reference
         assert reference is not None
@@ -371,13 +371,14 @@ class TinkerBackend(BackendProtocol):
 
     async def optim_step(self) -> dict[str, float]:
         pending, self._pending = self._pending, []
+        optimizer = self.config.trainer.optimizer
         adam = tinker.AdamParams(
             learning_rate=self.lr,
-            beta1=self.settings.adam_beta1,
-            beta2=self.settings.adam_beta2,
-            eps=self.settings.adam_eps,
-            weight_decay=self.settings.weight_decay,
-            grad_clip_norm=self.settings.grad_clip_norm,
+            beta1=optimizer.betas[0],
+            beta2=optimizer.betas[1],
+            eps=optimizer.eps,
+            weight_decay=optimizer.weight_decay,
+            grad_clip_norm=optimizer.max_grad_norm or 0.0,  # Tinker's 0: no clipping
         )
         step = self.training.optim_step(adam)
 
@@ -445,7 +446,7 @@ def _train_metrics(pending: list[_Pending], outputs: list[Any]) -> dict[str, flo
     for batch, out in zip(pending, outputs, strict=True):
         for seq, row in zip(batch.sequences, out.loss_fn_outputs, strict=True):
             trainer = row["logprobs"].to_numpy()
-            mask = np.asarray(seq.sampled[1:], dtype=bool)
+            mask = np.asarray(seq.mask[1:], dtype=bool)
             sampler = np.asarray(seq.logprobs[1:], dtype=np.float64)
             gaps.append(sampler[mask] - trainer[mask])
     gap = np.concatenate(gaps) if gaps else np.zeros(0)

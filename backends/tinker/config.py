@@ -9,10 +9,11 @@ never from the config file, so it is never written into a run's `config.yaml` or
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from unified.config import refuse_moved_keys
 from unified.errors import ConfigError
 from unified.retry import RetryPolicy
 
@@ -20,9 +21,17 @@ __all__ = ["TinkerConfig"]
 
 
 class TinkerConfig(BaseModel):
-    """`tinker:` — the Tinker backend: where, LoRA shape, optimizer, deadlines, retries."""
+    """`tinker:` — the Tinker backend: where, LoRA shape, deadlines, retries."""
 
     model_config = ConfigDict(extra="forbid")
+    moved_keys: ClassVar[dict[str, str]] = {
+        "loss_agg": "trainer.loss_agg",
+        "adam_beta1": "trainer.optimizer.betas ([beta1, beta2])",
+        "adam_beta2": "trainer.optimizer.betas ([beta1, beta2])",
+        "adam_eps": "trainer.optimizer.eps",
+        "weight_decay": "trainer.optimizer.weight_decay",
+        "grad_clip_norm": "trainer.optimizer.max_grad_norm (null: no clipping)",
+    }
 
     base_url: str | None = Field(
         None,
@@ -39,18 +48,6 @@ class TinkerConfig(BaseModel):
     )
     lora_rank: int = Field(32, ge=1, description="Rank of the trained LoRA adapters.")
     lora_seed: int = Field(0, description="Seed of the adapters' initialisation.")
-    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
-    adam_beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2 (Tinker's default).")
-    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
-    grad_clip_norm: float = Field(0.0, ge=0, description="Gradient clipping norm (0: off).")
-    loss_agg: Literal["token_mean", "token_sum"] = Field(
-        "token_mean",
-        description="token_mean divides each forward_backward call's token-sum loss by its "
-        "completion tokens: the step's token mean (the local backend's default) when a step is "
-        "one call, so it refuses trainer.micro_batch_size < batch_size; token_sum is Tinker's "
-        "raw sum.",
-    )
     request_timeout_s: float = Field(
         300.0, gt=0, description="Deadline of one remote call (submission to result)."
     )
@@ -73,6 +70,7 @@ class TinkerConfig(BaseModel):
     @classmethod
     def from_section(cls, section: dict[str, Any]) -> TinkerConfig:
         """Validate the config's `tinker:` section; a bad key is a `ConfigError` naming it."""
+        refuse_moved_keys(section, "tinker", cls.moved_keys)
         try:
             return cls.model_validate(section)
         except ValidationError as e:

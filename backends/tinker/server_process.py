@@ -17,11 +17,11 @@ from unified.errors import UsageError
 
 __all__ = ["ServerProcess"]
 
-# The child imports this very checkout of `backends` (not one its working directory shadows).
+# The child imports this very checkout of `tinker_server` (not one its working directory shadows).
 _ROOT = Path(__file__).resolve().parents[2]
 _MAIN = (
     f"import sys; sys.path.insert(0, {str(_ROOT)!r}); "
-    "from backends.tinker.server import main; sys.exit(main(sys.argv[1:]))"
+    "from tinker_server.server import main; sys.exit(main(sys.argv[1:]))"
 )
 _URL = re.compile(rb" at (http://\S+) ")
 

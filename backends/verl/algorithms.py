@@ -3,7 +3,7 @@
 Losses (per token, `r = exp(logp - old)`, aggregated by verl's `agg_loss`):
 
 - `ppo`                 -> verl `vanilla` with `clip_ratio_c` out of reach: -min(r A, clip(r) A),
-                           exactly `backends.local.losses` (verl's dual clip is opt-in here,
+                           exactly `torchkit.losses` (verl's dual clip is opt-in here,
                            `verl.dual_clip_ratio`);
 - `cispo`               -> verl `cispo`: -sg(clip(r)) A logp;
 - `importance_sampling` -> verl `vanilla` with the clip range opened to [0, inf): -r A;
@@ -117,7 +117,7 @@ def ppo_loss_with_kl(
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from backends.local.losses import kl_penalty
+    from torchkit.losses import kl_penalty
 
     loss, metrics = ppo_loss(pg_config, model_output, data, dp_group)
     if not config.use_kl_loss:

@@ -1,23 +1,23 @@
 """VerlBackend: verl's engine workers (FSDP2 on a Ray worker group) train; a local sampler samples.
 
-Training is verl's: `forward_backward` turns groups into verl's batch rows and stages them;
-`optim_step` runs one `train_mini_batch` on the staged rows (verl's engine does forward, backward
-and the optimizer step in one call, so streamed accumulation is exact: one update per step). With
-`trainer.kl_coef > 0` the workers also hold a frozen reference (verl's `ref` role, the initial
-weights): `optim_step` first scores the rows with it, and verl's KL loss uses those log-probs.
-Sampling is the local backend's `BatchingSampler` on its own copy of the weights (verl's vLLM/
-SGLang servers are not wired in yet, on any device). `on_policy_updated(v)` gathers the trained
-weights from the workers and loads them into the sampler's spare copy, which it swaps in: a batch
-running at the sync finishes on its own weights, and the sync waits for no workflow. Checkpoints
-are verl's own layout (`global_step_N/actor`, `latest_checkpointed_iteration.txt`) plus the
-sampler's weights. Every worker-group call runs on one daemon thread under `verl.call_timeout_s`.
+Training is verl's: `forward_backward` turns groups into training sequences and stages them;
+`optim_step` runs one `train_mini_batch` on them as verl's batch rows (verl's engine does forward,
+backward and the optimizer step in one call, so streamed accumulation is exact: one update per
+step). With `trainer.kl_coef > 0` the workers also hold a frozen reference (verl's `ref` role,
+the initial weights): `optim_step` first scores the rows with it, and verl's KL loss uses those
+log-probs. Sampling is the torch kit's `BatchingSampler` on its own copy of the weights
+(verl's vLLM/SGLang servers are not wired in yet, on any device). `on_policy_updated(v)` gathers
+the trained weights from the workers and loads them into the sampler's spare copy, which it swaps
+in: a batch running at the sync finishes on its own weights, and the sync waits for no workflow.
+Checkpoints are verl's own layout (`global_step_N/actor`, `latest_checkpointed_iteration.txt`)
+plus the sampler's weights. Every worker-group call runs on one daemon thread under
+`verl.call_timeout_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -25,12 +25,9 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 from pydantic import BaseModel
-from safetensors.torch import load_file, save_file
 from verl import DataProto
 
-from backends.local.backend import LocalEngine
-from backends.local.builtin import is_builtin, load_policy, save_policy
-from backends.local.sampler import BatchingSampler
+from backends.verl.algorithms import LOSS_AGGREGATIONS
 from backends.verl.config import (
     VerlConfig,
     compose_verl_config,
@@ -41,12 +38,17 @@ from backends.verl.config import (
     resolved_param_dtype,
     training_worker_config,
 )
-from backends.verl.convert import Row, groups_to_rows, rows_to_batch
+from backends.verl.convert import to_batch
 from backends.verl.weights import tied_aliases
 from backends.verl.worker_group import PolicyGroup
+from torchkit.builtin import is_builtin, load_policy, save_policy
+from torchkit.engine import LocalEngine
+from torchkit.sampler import BatchingSampler
+from torchkit.snapshots import load_sampler, read_meta, save_sampler
 from unified.config import TrainerConfig
 from unified.errors import BackendError, UsageError
 from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
+from unified.sequences import TrainingSequence, scoring_temperature, sequences_of
 from unified.threads import DaemonWorker, in_daemon_thread
 from unified.types import TrajectoryGroup
 
@@ -83,14 +85,18 @@ class VerlBackend(BackendProtocol):
     name: ClassVar[str] = "verl"
     # The `verl:` section's model: `--dry-run` shows its defaults.
     section_model: ClassVar[type[BaseModel]] = VerlConfig
+    # verl takes one scoring temperature per call, and its engine always clips gradients.
     capabilities = BackendCapabilities(
         losses=frozenset({"ppo", "cispo", "importance_sampling"}),
+        loss_aggregations=frozenset(LOSS_AGGREGATIONS),
+        scoring_temperature="per_step",
+        unclipped_gradients=False,
     )
 
     def __init__(self) -> None:
         self.settings = VerlConfig()
         self._group: PolicyGroup | None = None
-        self._pending: list[Row] = []
+        self._pending: list[TrainingSequence] = []
         self._lr: float | None = None
         self._calls: DaemonWorker | None = None  # made by the first worker-group call
         self.steps = 0
@@ -166,22 +172,26 @@ class VerlBackend(BackendProtocol):
     # -- training -----------------------------------------------------------------------------
 
     async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        rows = await asyncio.to_thread(groups_to_rows, groups)
-        self._pending += rows
+        self._pending += await asyncio.to_thread(self._sequences, groups)
         return {}
 
+    def _sequences(self, groups: list[TrajectoryGroup]) -> list[TrainingSequence]:
+        # verl's loss has the KL and entropy terms: nothing folds into the advantages.
+        loss, sampling = self.config.trainer.loss, self.config.sampling.train
+        return sequences_of(groups, loss=loss, temperature=sampling.temperature)
+
     async def optim_step(self) -> dict[str, float]:
-        rows, self._pending = self._pending, []
+        sequences, self._pending = self._pending, []
         self.steps += 1
-        if not rows:
+        if not sequences:
             return {"train/grad_norm": 0.0}
-        batch, micro = await self._batch(rows)
+        batch, micro = await self._batch(sequences)
         if self.config.trainer.kl_coef > 0:
             batch.batch["ref_log_prob"] = await self._call(
                 "scoring with the reference",
                 self.group.compute_ref_logprobs,
                 batch,
-                temperature=self._temperature(rows),
+                temperature=self._temperature(sequences),
                 micro_batch=micro,
             )
         lr = self._lr if self._lr is not None else self.config.trainer.lr
@@ -190,7 +200,7 @@ class VerlBackend(BackendProtocol):
             self.group.train,
             batch,
             lr=lr,
-            temperature=self._temperature(rows),
+            temperature=self._temperature(sequences),
             micro_batch=micro,
         )
         reply = {ours: metrics[theirs] for theirs, ours in _METRICS.items() if theirs in metrics}
@@ -200,25 +210,25 @@ class VerlBackend(BackendProtocol):
             reply["train/skipped_steps"] = 1.0
         return reply
 
-    def _temperature(self, rows: list[Row]) -> float:
-        """The one temperature the rows are scored at: each row's sampling temperature, greedy
-        (0) scoring at 1, so greedy and temperature-1 rows share a batch."""
-
-        def scored(temperature: float | None) -> float:
-            return temperature if temperature and temperature > 0 else 1.0
-
-        found = {scored(r.temperature) for r in rows if r.temperature is not None}
+    def _temperature(self, sequences: list[TrainingSequence]) -> float:
+        """The one temperature a batch is scored at (verl takes one per call): its sequences'
+        scoring temperature, under which greedy and temperature-1 calls score alike."""
+        found = {seq.temperature for seq in sequences}
         if len(found) > 1:
             raise BackendError(f"one verl batch mixes sampling temperatures {sorted(found)}")
-        return found.pop() if found else scored(self.config.sampling.train.temperature)
+        if found:
+            return found.pop()
+        loss, sampling = self.config.trainer.loss, self.config.sampling.train
+        return scoring_temperature(None, loss=loss, default=sampling.temperature)
 
-    async def _batch(self, rows: list[Row]) -> tuple[DataProto, int]:
-        """verl's padded batch of `rows` and its rows per micro-batch."""
-        micro, multiple = self.group.batch_multiple(len(rows), self.settings.micro_batch_size)
+    async def _batch(self, sequences: list[TrainingSequence]) -> tuple[DataProto, int]:
+        """verl's padded batch of `sequences` and its rows per micro-batch."""
+        most = self.settings.forward_batch_size
+        micro, multiple = self.group.batch_multiple(len(sequences), most)
         pad = self.tokenizer.pad_token_id or 0
         batch = await asyncio.to_thread(
             functools.partial(
-                rows_to_batch, rows, pad_token_id=pad, multiple=multiple, micro_batch=micro
+                to_batch, sequences, pad_token_id=pad, multiple=multiple, micro_batch=micro
             )
         )
         return batch, micro
@@ -228,11 +238,11 @@ class VerlBackend(BackendProtocol):
     ) -> list[list[float]]:
         """Every row's model-token log-probs under the workers' policy (verl's `compute_log_prob`),
         or under the frozen reference with `reference=True` (`compute_ref_log_prob`)."""
-        rows = groups_to_rows(groups)
-        batch, micro = await self._batch(rows)
+        sequences = self._sequences(groups)
+        batch, micro = await self._batch(sequences)
         call = self.group.compute_ref_logprobs if reference else self.group.compute_logprobs
         logprobs_BR = await self._call(
-            "scoring", call, batch, temperature=self._temperature(rows), micro_batch=micro
+            "scoring", call, batch, temperature=self._temperature(sequences), micro_batch=micro
         )
         mask_BR = batch.batch["response_mask"].bool()
         return [logprobs_BR[p][mask_BR[p]].tolist() for p in batch.meta_info["real_positions"]]
@@ -262,16 +272,10 @@ class VerlBackend(BackendProtocol):
 
     def _save_sampler(self, directory: Path) -> None:
         (directory / _TRACKER).write_text(str(self.steps))
-        state = self.sampler.model.state_dict()
-        # Clones: safetensors refuses tensors that share storage (tied embeddings do).
-        weights = {k: v.detach().cpu().clone().contiguous() for k, v in state.items()}
-        save_file(weights, directory / "sampler.safetensors")
-        meta = {
-            "sampler_version": self.sampler.version,
-            "steps": self.steps,
-            "num_workers": self.settings.num_workers,  # verl saves one shard per worker
-        }
-        (directory / "backend.json").write_text(json.dumps(meta))
+        # verl saves one shard per worker: a resume needs as many.
+        save_sampler(
+            self.sampler, directory, steps=self.steps, num_workers=self.settings.num_workers
+        )
 
     async def load_checkpoint(self, directory: Path) -> None:
         await self.sampler.wait_idle()
@@ -279,12 +283,11 @@ class VerlBackend(BackendProtocol):
         if not tracker.exists():
             raise BackendError(f"{directory} holds no verl checkpoint ({_TRACKER} is missing)")
         steps = int(tracker.read_text().strip())
-        meta = json.loads((directory / "backend.json").read_text())
+        meta = await asyncio.to_thread(read_meta, directory)
         check_saved_workers(meta, self.settings.num_workers)
         actor = directory / f"global_step_{steps}" / "actor"
         await self._call("loading a verl checkpoint", self.group.load_checkpoint, actor)
-        weights = await asyncio.to_thread(load_file, directory / "sampler.safetensors")
-        await asyncio.to_thread(self.sampler.load_weights, weights, meta["sampler_version"])
+        await asyncio.to_thread(load_sampler, self.sampler, directory, meta)
         self.steps = steps
 
     async def export_model(self, directory: Path) -> None:

@@ -20,7 +20,7 @@ import contextlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -72,15 +72,16 @@ OWNED_KEYS: dict[str, str] = {
     _ACTOR + "ppo_epochs": "the trainer makes one update per step",
     _ACTOR + "shuffle": "the trainer makes one update per step",
     _ACTOR + "data_loader_seed": "use trainer.seed",
-    _ACTOR + "ppo_micro_batch_size_per_gpu": "use verl.micro_batch_size",
-    _ACTOR + "loss_agg_mode": "use verl.loss_agg",
+    _ACTOR + "ppo_micro_batch_size_per_gpu": "use verl.forward_batch_size",
+    _ACTOR + "loss_agg_mode": "use trainer.loss_agg",
     _ACTOR + "entropy_coeff": "use trainer.entropy_coef",
     _ACTOR + "use_kl_loss": "use trainer.kl_coef",
     _ACTOR + "kl_loss_coef": "use trainer.kl_coef",
     _ACTOR + "optim.lr": "use trainer.lr (the trainer schedules it every step)",
-    _ACTOR + "optim.weight_decay": "use verl.weight_decay",
-    _ACTOR + "optim.betas": "use verl.betas",
-    _ACTOR + "optim.clip_grad": "use verl.max_grad_norm",
+    _ACTOR + "optim.weight_decay": "use trainer.optimizer.weight_decay",
+    _ACTOR + "optim.betas": "use trainer.optimizer.betas",
+    _ACTOR + "optim.clip_grad": "use trainer.optimizer.max_grad_norm",
+    _ACTOR + "optim.override_optimizer_config.eps": "use trainer.optimizer.eps",
     _ACTOR + "optim.total_training_steps": "use trainer.total_steps",
     **{
         _ACTOR + f"optim.{key}": "use trainer.lr_schedule and trainer.warmup_steps (the trainer "
@@ -105,8 +106,8 @@ OWNED_KEYS: dict[str, str] = {
     _ACTOR + "clip_ratio_c": "use verl.dual_clip_ratio",
     _ACTOR + "fsdp_config.mixed_precision": "use verl.param_dtype",
     "actor_rollout_ref.ref.fsdp_config.mixed_precision": "use verl.param_dtype",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "use verl.micro_batch_size",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "use verl.micro_batch_size",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "use verl.forward_batch_size",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "use verl.forward_batch_size",
 }
 
 
@@ -114,6 +115,13 @@ class VerlConfig(BaseModel):
     """`verl:` — settings of the verl backend (the rest of the run comes from the shared keys)."""
 
     model_config = ConfigDict(extra="forbid")
+    moved_keys: ClassVar[dict[str, str]] = {
+        "micro_batch_size": "verl.forward_batch_size",
+        "loss_agg": "trainer.loss_agg",
+        "betas": "trainer.optimizer.betas",
+        "weight_decay": "trainer.optimizer.weight_decay",
+        "max_grad_norm": "trainer.optimizer.max_grad_norm",
+    }
 
     ray_address: str | None = Field(
         None,
@@ -129,10 +137,7 @@ class VerlConfig(BaseModel):
         "auto", description="Where the workers train: cuda when a GPU is visible, else cpu."
     )
     strategy: Literal["fsdp2", "fsdp"] = Field("fsdp2", description="verl's FSDP engine version.")
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward pass per worker.")
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
-        "token_mean", description="How token losses aggregate (verl's loss_agg_mode)."
-    )
+    forward_batch_size: int = Field(8, ge=1, description="Sequences per forward pass per worker.")
     dual_clip_ratio: float | None = Field(
         None, gt=1, description="verl's dual-clip bound for negative advantages (null: off)."
     )
@@ -146,9 +151,6 @@ class VerlConfig(BaseModel):
         None, description="FSDP compute dtype (default: fp32 on cpu, verl's bf16 on cuda)."
     )
     attn_implementation: str = Field("sdpa", description="Hugging Face attention kernel.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     max_batch: int = Field(64, ge=1, description="Most requests the local sampler batches.")
     prefix_cache_mb: float = Field(
         256,
@@ -221,17 +223,23 @@ def hydra_overrides(config: TrainerConfig, settings: VerlConfig, model_dir: Path
         raise CapabilityError(
             f"trainer.loss={t.loss!r} is not supported by backend 'verl'; it supports: {supported}"
         )
+    if t.loss_agg not in LOSS_AGGREGATIONS:
+        supported = ", ".join(sorted(LOSS_AGGREGATIONS))
+        raise CapabilityError(
+            f"trainer.loss_agg={t.loss_agg!r} is not supported by backend 'verl'; it supports: "
+            f"{supported}"
+        )
     device = resolved_device(settings)
     dtype = resolved_param_dtype(settings)
     actor = {
         "strategy": settings.strategy,
         "ppo_mini_batch_size": t.batch_size,
-        "ppo_micro_batch_size_per_gpu": settings.micro_batch_size,
+        "ppo_micro_batch_size_per_gpu": settings.forward_batch_size,
         "use_dynamic_bsz": False,
         "ppo_epochs": 1,
         "shuffle": False,
         "data_loader_seed": t.seed,
-        "loss_agg_mode": LOSS_AGGREGATIONS[settings.loss_agg],
+        "loss_agg_mode": LOSS_AGGREGATIONS[t.loss_agg],
         "entropy_coeff": t.entropy_coef,
         "calculate_entropy": True,
         "use_kl_loss": t.kl_coef > 0,
@@ -240,9 +248,10 @@ def hydra_overrides(config: TrainerConfig, settings: VerlConfig, model_dir: Path
         "use_torch_compile": device == "cuda",
         "fsdp_config.use_torch_compile": device == "cuda",
         "optim.lr": t.lr,
-        "optim.weight_decay": settings.weight_decay,
-        "optim.betas": f"[{settings.betas[0]},{settings.betas[1]}]",
-        "optim.clip_grad": settings.max_grad_norm,
+        "optim.weight_decay": t.optimizer.weight_decay,
+        "optim.betas": f"[{t.optimizer.betas[0]},{t.optimizer.betas[1]}]",
+        "optim.clip_grad": t.optimizer.max_grad_norm,
+        "optim.override_optimizer_config": f"{{eps:{t.optimizer.eps!r}}}",
         "optim.total_training_steps": t.total_steps,
         "checkpoint.save_contents": "[model,optimizer,extra]",
         **loss.actor_settings(t.clip_ratio, settings.dual_clip_ratio),
@@ -255,7 +264,7 @@ def hydra_overrides(config: TrainerConfig, settings: VerlConfig, model_dir: Path
         f"+actor_rollout_ref.model.override_config.attn_implementation={settings.attn_implementation}",
         *(f"actor_rollout_ref.actor.{key}={value}" for key, value in actor.items()),
         f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={precision}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={settings.micro_batch_size}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={settings.forward_batch_size}",
         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False",
         f"actor_rollout_ref.rollout.n={t.group_size}",
         # verl's validation wants a rollout engine name; ours samples with the local sampler.
@@ -280,7 +289,7 @@ def hydra_overrides(config: TrainerConfig, settings: VerlConfig, model_dir: Path
     if t.kl_coef > 0:
         # The reference scores like the policy does, and never trains (verl's `ref` role).
         overrides += [
-            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={settings.micro_batch_size}",
+            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={settings.forward_batch_size}",
             "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=False",
             f"actor_rollout_ref.ref.use_torch_compile={device == 'cuda'}",
             f"actor_rollout_ref.ref.fsdp_config.use_torch_compile={device == 'cuda'}",

@@ -118,7 +118,7 @@ def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = Non
                 },
                 # Passes of 64 sequences, as before the local default became 32: the same
                 # recipe keeps giving the same model (micro-batching changes float rounding).
-                "local": {"seed": recipe.seed, "micro_batch": 64},
+                "local": {"seed": recipe.seed, "forward_batch_size": 64},
                 "logging": {"run_dir": scratch, "console": True},
             }
         )

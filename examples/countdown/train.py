@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from examples.countdown.baselines import baselines, best_pattern_by_target_band
-from unified.cli import run_command
+from unified.commands import run_command
 from unified.config import load_config
 from unified.errors import UsageError
 from unified.imports import import_object

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from backends.local.prefix_cache import KeyValues
+from torchkit.prefix_cache import KeyValues
 
 __all__ = [
     "HFStepper",

@@ -1,4 +1,4 @@
-"""Policy losses of the local backend, per token, with their aggregation.
+"""Policy losses, per token, with their aggregation (the local backend's, the Tinker server's).
 
 Every loss is a function of the trainer's log-probabilities `logp_T` (with gradient), the
 sampler's `old_logp_T` and the advantages `adv_T`, one entry per completion token:

@@ -1,4 +1,4 @@
-"""Sampling sessions of the local Tinker server, served by the local backend's batching sampler.
+"""Sampling sessions of the local Tinker server, served by the torch kit's batching sampler.
 
 A sampling session samples from one fixed snapshot of weights (the base model, or a training
 model's weights with its adapters merged at the moment the session was made), so a training
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from backends.local.sampler import BatchingSampler
-from backends.tinker.training import UserError
-from backends.tinker.wire import SampledTokens
+from tinker_server.training import UserError
+from tinker_server.wire import SampledTokens
+from torchkit.sampler import BatchingSampler
 from unified.errors import UsageError
 from unified.types import SamplingParams
 

@@ -4,7 +4,7 @@ Semantics follow the service: position i of a datum's input predicts `target_tok
 loss is a token-level **sum** (`loss:sum`), with per-token `advantages` (0 on prompt positions)
 and per-token `weights` for `cross_entropy`. Gradients of several `forward_backward` calls
 accumulate until `optim_step` (AdamW with the request's hyperparameters). The per-token policy
-losses are the local backend's (`backends.local.losses`). Every method blocks: the server calls
+losses are the torch kit's (`torchkit.losses`). Every method blocks: the server calls
 them from a worker thread, one at a time per model.
 """
 
@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from backends.local.losses import per_token_loss
-from backends.tinker.lora import LoraTargets, attach_lora, merged_state_dict
-from backends.tinker.wire import WireDatum
+from tinker_server.lora import LoraTargets, attach_lora, merged_state_dict
+from tinker_server.wire import WireDatum
+from torchkit.losses import per_token_loss
 
 __all__ = ["LOSS_INPUTS", "AdamSettings", "LoraSpec", "TrainingModel", "UserError"]
 

@@ -1,4 +1,4 @@
-"""The local sampler: batched generation with per-token logprobs, serving concurrent requests.
+"""The batching sampler: batched generation with per-token logprobs, serving concurrent requests.
 
 `generate_batch` samples a whole batch of prompts with per-row settings (temperature, top-p, max
 tokens, stop strings, seed). `BatchingSampler` serves concurrent async requests: requests that
@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from backends.local.decoding import make_stepper
-from backends.local.prefix_cache import PrefixCache
+from torchkit.decoding import make_stepper
+from torchkit.prefix_cache import PrefixCache
 from unified.errors import BackendError, UsageError
 from unified.types import FinishReason, ModelOutput, SamplingParams
 

@@ -1,4 +1,4 @@
-"""Built-in policies of the local backend, and loading/saving any policy from a local directory.
+"""Built-in policies (used by every backend), and loading/saving any policy from a local directory.
 
 A built-in policy is a small Qwen2-architecture causal LM with random weights and a
 character-level tokenizer (printable ASCII and newline, one token per character, ChatML special

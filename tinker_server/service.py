@@ -1,7 +1,7 @@
 """What the local Tinker server does for each request, independent of HTTP.
 
-`LocalTinker` serves one base model (built-in or a local directory) through the local backend's
-engine: training models are LoRA copies of it (`training.py`), sampling sessions are weight
+`LocalTinker` serves one base model (built-in or a local directory) through the torch kit
+(`torchkit/`): training models are LoRA copies of it (`training.py`), sampling sessions are weight
 snapshots behind batching samplers (`sampling.py`). Requests of one training model run one at a
 time in arrival order (the SDK sends them in order), each in a worker thread, so the event loop
 keeps answering polls. Saved state lives under `store/`: `tinker://<run>/<kind>/<name>` is the
@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends.local.builtin import is_builtin, load_policy
-from backends.tinker.futures import Outcome
-from backends.tinker.sampling import SamplerPool, untied_copy
-from backends.tinker.training import AdamSettings, LoraSpec, TrainingModel, UserError
-from backends.tinker.wire import (
+from tinker_server.futures import Outcome
+from tinker_server.sampling import SamplerPool, untied_copy
+from tinker_server.training import AdamSettings, LoraSpec, TrainingModel, UserError
+from tinker_server.wire import (
     PROTOBUF,
     ForwardBackwardCall,
     encode_forward_backward_output,
     encode_sample_response,
 )
+from torchkit.builtin import is_builtin, load_policy
 
 __all__ = ["LocalTinker"]
 

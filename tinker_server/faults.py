@@ -12,7 +12,7 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from backends.tinker.futures import Outcome
+from tinker_server.futures import Outcome
 
 __all__ = ["FAULTED_PATHS", "FaultInjector", "Faults"]
 

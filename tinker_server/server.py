@@ -1,4 +1,4 @@
-"""`unified tinker-serve`: a Tinker-compatible HTTP server backed by the local backend's engine.
+"""`unified tinker-serve`: a Tinker-compatible HTTP server backed by the torch kit.
 
 The unmodified `tinker` SDK talks to it (`ServiceClient(base_url="http://127.0.0.1:8000")`):
 sessions and heartbeats, create_model (LoRA of the requested rank), get_info (the tokenizer is a
@@ -30,11 +30,12 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from backends.tinker.faults import FaultInjector, Faults
-from backends.tinker.futures import FutureStore, Outcome
-from backends.tinker.service import LocalTinker
-from backends.tinker.training import UserError
-from backends.tinker.wire import WireError, decode_forward_backward
+from tinker_server.faults import FaultInjector, Faults
+from tinker_server.futures import FutureStore, Outcome
+from tinker_server.service import LocalTinker
+from tinker_server.training import UserError
+from tinker_server.wire import WireError, decode_forward_backward
+from unified.commands import run_command
 from unified.errors import UsageError
 from unified.model_provider import resolve_model_spec
 
@@ -386,7 +387,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="stop when stdin closes (a parent process that dies takes the server with it)",
     )
     args = parser.parse_args(argv)
-    from unified.cli import run_command
 
     def serve() -> int:
         faults = _parse_faults(args.faults) if args.faults else None

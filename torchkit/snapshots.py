@@ -1,0 +1,47 @@
+"""Weight snapshots in checkpoints: tensors safetensors can write, and a sampler's weights.
+
+A backend whose sampler holds its own copy of the weights (local, verl) saves that copy beside
+its training state: `sampler.safetensors`, and `backend.json` with the copy's policy version
+(`sampler_version`) plus whatever the backend records there. Resuming loads it back as that
+version, so a run resumed from a checkpoint samples exactly what it sampled when it was saved.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from torchkit.sampler import BatchingSampler
+
+__all__ = ["META_FILE", "SAMPLER_FILE", "contiguous", "load_sampler", "read_meta", "save_sampler"]
+
+SAMPLER_FILE = "sampler.safetensors"
+META_FILE = "backend.json"
+
+
+def contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU copies of `tensors`, as `save_file` takes them."""
+    # Clones: safetensors refuses tensors that share storage (tied embeddings do).
+    return {k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}
+
+
+def save_sampler(sampler: BatchingSampler, directory: Path, **meta: Any) -> None:
+    """Write the sampler's weights and `backend.json`: `meta` plus their `sampler_version`."""
+    save_file(contiguous(sampler.model.state_dict()), directory / SAMPLER_FILE)
+    record = {**meta, "sampler_version": sampler.version}
+    (directory / META_FILE).write_text(json.dumps(record))
+
+
+def read_meta(directory: Path) -> dict[str, Any]:
+    """What `save_sampler` recorded in `directory`'s `backend.json`."""
+    meta: dict[str, Any] = json.loads((directory / META_FILE).read_text())
+    return meta
+
+
+def load_sampler(sampler: BatchingSampler, directory: Path, meta: dict[str, Any]) -> None:
+    """Load the saved sampler weights into `sampler` as the version `meta` records (blocking)."""
+    sampler.load_weights(load_file(directory / SAMPLER_FILE), meta["sampler_version"])

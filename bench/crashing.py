@@ -26,12 +26,11 @@ from typing import Any, Literal
 
 from backends.local.backend import LocalBackend
 from examples.countdown.workflow import CountdownWorkflow
-from torchkit.engine import LocalEngine
 from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig, load_config
 from unified.data import TaskSampler, load_tasks
-from unified.protocol import RolloutEngine
-from unified.types import ModelOutput, Task, TrajectoryGroup
+from unified.protocol import TokenSampler
+from unified.types import ModelOutput, SamplingParams, Task, TrajectoryGroup
 
 Phase = Literal["generation", "training", "sync", "checkpoint"]
 PHASES: tuple[Phase, ...] = ("generation", "training", "sync", "checkpoint")
@@ -49,14 +48,18 @@ class ShapedCountdownWorkflow(CountdownWorkflow):
         return reward + 0.01 * sum(c.isdigit() for c in reply), correct
 
 
-class _ReportingEngine(LocalEngine):
-    def __init__(self, backend: PhaseReportingLocalBackend) -> None:
-        super().__init__(backend)
-        self._report = backend.report
+class _ReportingSampler:
+    def __init__(self, inner: TokenSampler, report: Callable[[Phase], None]) -> None:
+        self._inner = inner
+        self._report = report
 
-    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
+    @property
+    def tokenizer(self) -> Any:
+        return self._inner.tokenizer
+
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
         self._report("generation")
-        return await super().complete(prompt_ids, **sampling)
+        return await self._inner.sample(prompt_ids, params)
 
 
 class PhaseReportingLocalBackend(LocalBackend):
@@ -67,8 +70,8 @@ class PhaseReportingLocalBackend(LocalBackend):
         super().__init__()
         self.report = report
 
-    def rollout_engine(self) -> RolloutEngine:
-        return _ReportingEngine(self)
+    def token_sampler(self) -> TokenSampler:
+        return _ReportingSampler(super().token_sampler(), self.report)
 
     async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         self.report("training")

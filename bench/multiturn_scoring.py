@@ -38,13 +38,13 @@ async def sample_groups(
 ) -> list[TrajectoryGroup]:
     """`episodes` tool-agent episodes at the train settings, as GRPO groups of `group_size`."""
     config = backend.config
-    engine, workflow = backend.rollout_engine(), resolve_workflow(config.workflow)
-    defaults = config.sampling.train.model_dump()
+    sampler, workflow = backend.token_sampler(), resolve_workflow(config.workflow)
+    defaults = config.sampling.train
     deadlines = WorkflowDeadlines(config.trainer.workflow_timeout_s)
     tasks = make_tasks(episodes // group_size, split="train", seed=0)
 
     async def one(index: int) -> Episode:
-        view = SamplingEngine(engine, defaults, index)
+        view = SamplingEngine(sampler, defaults, index)
         task = tasks[index // group_size]
         episode, _ = await run_episode(
             workflow, task, view,

@@ -26,7 +26,7 @@ import tempfile
 import time
 import tracemalloc
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from unified import (
     BackendProtocol,
@@ -41,6 +41,7 @@ from unified import (
 )
 from unified.config import TrainerConfig
 from unified.loop import fewer_young_collections
+from unified.protocol import TokenSampler
 from unified.rollout import SamplingEngine
 
 TOKENS = 16
@@ -53,8 +54,11 @@ class _Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(i) for i in ids)
 
+    def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        return [1, 2, 3, 4]
 
-class ZeroEngine(RolloutEngine):
+
+class ZeroSampler:
     """Answers every request at once: `TOKENS` tokens whose parity depends on the seed."""
 
     def __init__(self, backend: ZeroBackend) -> None:
@@ -65,11 +69,8 @@ class ZeroEngine(RolloutEngine):
     def tokenizer(self) -> _Tokenizer:
         return self._tokenizer
 
-    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
-        return await self.complete([1, 2, 3, 4], **sampling)
-
-    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
-        token = 2 + (sampling["seed"] // 1_000) % 2
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
+        token = 2 + (cast(int, params.seed) // 1_000) % 2
         return ModelOutput(
             text="",
             prompt_ids=prompt_ids,
@@ -92,8 +93,8 @@ class ZeroBackend(BackendProtocol):
     async def setup(self, config: TrainerConfig) -> None:
         pass
 
-    def rollout_engine(self) -> RolloutEngine:
-        return ZeroEngine(self)
+    def token_sampler(self) -> TokenSampler:
+        return ZeroSampler(self)
 
     async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         return {"train/loss": 0.0}
@@ -197,11 +198,11 @@ def direct(args: argparse.Namespace) -> tuple[float, float]:
     """(Wall, CPU) microseconds per call of the workflow and backend alone, one after another."""
 
     async def calls(n: int) -> tuple[float, float]:
-        engine, work = ZeroBackend().rollout_engine(), tasks(1024)
+        sampler, work = ZeroBackend().token_sampler(), tasks(1024)
         defaults = SamplingParams(max_tokens=TOKENS)
         wall, cpu = time.perf_counter(), time.process_time()
         for i in range(n):
-            await single_turn(work[i % 1024], SamplingEngine(engine, defaults, seed=i))
+            await single_turn(work[i % 1024], SamplingEngine(sampler, defaults, seed=i))
         return (time.perf_counter() - wall) / n * 1e6, (time.process_time() - cpu) / n * 1e6
 
     n = (args.steps - 1) * args.groups * args.group_size
@@ -214,14 +215,14 @@ def as_tasks(args: argparse.Namespace) -> tuple[float, float]:
     group, a step's worth at a time: the floor of any trainer that runs rollouts as tasks."""
 
     async def calls(n: int) -> tuple[float, float]:
-        engine, work = ZeroBackend().rollout_engine(), tasks(1024)
+        sampler, work = ZeroBackend().token_sampler(), tasks(1024)
         defaults = SamplingParams(max_tokens=TOKENS)
         per_step = args.groups * args.group_size
         wall, cpu = time.perf_counter(), time.process_time()
         for start in range(0, n, per_step):
             async with asyncio.TaskGroup() as group:
                 for i in range(start, min(n, start + per_step)):
-                    engine_i = SamplingEngine(engine, defaults, seed=i)
+                    engine_i = SamplingEngine(sampler, defaults, seed=i)
                     group.create_task(single_turn(work[i % 1024], engine_i))
         return (time.perf_counter() - wall) / n * 1e6, (time.process_time() - cpu) / n * 1e6
 

@@ -27,6 +27,7 @@ from typing import Any
 from backends.local.backend import LocalBackend
 from examples.countdown.tasks import make_tasks, prompt
 from unified.config import load_config
+from unified.rollout import SamplingEngine
 from unified.types import ModelOutput
 
 
@@ -101,7 +102,7 @@ async def _round(
     messages: list[list[dict[str, str]]],
     lengths: list[int],
 ) -> tuple[dict[str, float], list[ModelOutput]]:
-    engine = backend.rollout_engine()
+    engine = SamplingEngine(backend.token_sampler())
     queue = list(range(len(messages)))
     results: list[ModelOutput | None] = [None] * len(messages)
     lags: list[int] = []

@@ -28,9 +28,11 @@ import torch
 from backends.local.backend import LocalBackend
 from examples.countdown.tasks import make_tasks, prompt
 from torchkit import decoding
-from torchkit.builtin import chat_prompt_ids, load_policy
+from torchkit.builtin import load_policy
 from torchkit.sampler import Request, generate_batch
+from unified.chat import chat_prompt_ids
 from unified.config import load_config
+from unified.rollout import SamplingEngine
 from unified.types import SamplingParams
 
 
@@ -189,7 +191,7 @@ async def _batching(
     )
     backend = LocalBackend()
     await backend.setup(config)
-    engine = backend.rollout_engine()
+    engine = SamplingEngine(backend.token_sampler())
     sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": args.max_tokens, "stop": []}
     started = time.perf_counter()
     await asyncio.gather(*[engine.chat(m, seed=i, **sampling) for i, m in enumerate(messages)])

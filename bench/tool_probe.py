@@ -58,10 +58,9 @@ async def probe(
     try:
         if checkpoint is not None:
             await backend.load_checkpoint(checkpoint)
-        engine = backend.rollout_engine()
+        sampler = backend.token_sampler()
         workflow = resolve_workflow(config.workflow)
         settings = config.sampling.eval if greedy else config.sampling.train
-        defaults = settings.model_dump()
         deadlines = WorkflowDeadlines(config.trainer.workflow_timeout_s)
         if greedy:  # the problems a run evaluates on (the config's `data.eval`)
             tasks = make_tasks(problems, split="eval")
@@ -69,7 +68,7 @@ async def probe(
             tasks = make_tasks(problems, split="train", seed=seed)
 
         async def one(index: int) -> Episode:
-            view = SamplingEngine(engine, defaults, seed + index)
+            view = SamplingEngine(sampler, settings, seed + index)
             episode, _ = await run_episode(
                 workflow, tasks[index], view,
                 rollout_index=0, version=0, deadlines=deadlines,

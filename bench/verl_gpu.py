@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from torchkit.builtin import BUILTIN_SIZES, build_tokenizer, save_policy
+from unified.rollout import SamplingEngine
 
 # Qwen2-0.5B's config.json, less what only matters past our 512-token sequences.
 QWEN2_0_5B: dict[str, Any] = {
@@ -157,7 +158,7 @@ async def sample_groups(backend: Any, args: argparse.Namespace, step: int) -> tu
     from examples.countdown.workflow import CountdownWorkflow
     from unified.types import Episode, Step, Trajectory, TrajectoryGroup
 
-    engine = backend.rollout_engine()
+    engine = SamplingEngine(backend.token_sampler())
     workflow = CountdownWorkflow()
     tasks = make_tasks(args.batch_size, seed=step)
     prompts = [engine.encode_chat(workflow.messages(task)) for task in tasks]

@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from backends.local.backend import LocalBackend
-from torchkit.builtin import build_tokenizer, chat_prompt_ids
+from torchkit.builtin import build_tokenizer
+from unified.chat import chat_prompt_ids
 from unified.config import load_config
 from unified.protocol import RolloutEngine
 from unified.sequences import TrainingSequence
-from unified.testing import BanditBackend, BanditEngine
-from unified.types import ModelOutput, Task, TrajectoryGroup
+from unified.testing import BanditBackend, BanditSampler
+from unified.types import ModelOutput, SamplingParams, Task, TrajectoryGroup
 from workflows.multi_turn import Observation
 from workflows.tools import ToolWorkflow
 
@@ -112,17 +113,17 @@ class GuessingGame:
         return ("higher" if guess < self.target else "lower"), -0.1, False
 
 
-class ToolBanditEngine(BanditEngine):
-    """Calls `lookup` until a tool result is the last message, then picks an arm as the bandit."""
+class ToolBanditSampler(BanditSampler):
+    """Calls `lookup` until the prompt holds its call (a tool result follows it), then picks an
+    arm as the bandit."""
 
-    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
-        if messages[-1]["role"] == "tool":
-            return await super().chat(messages, **sampling)
-        prompt = self.tokenizer.encode("".join(str(m["content"]) for m in messages))
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
+        if LOOKUP_CALL in self.tokenizer.decode(prompt_ids):
+            return await super().sample(prompt_ids, params)
         completion = self.tokenizer.encode(LOOKUP_CALL)
         return ModelOutput(
             text=LOOKUP_CALL,
-            prompt_ids=prompt,
+            prompt_ids=prompt_ids,
             completion_ids=completion,
             logprobs=[math.log(0.9)] * len(completion),
             finish_reason="stop",
@@ -139,8 +140,8 @@ class ToolBanditBackend(BanditBackend):
         super().__init__()
         self.steps_seen: list[Any] = []
 
-    def rollout_engine(self) -> ToolBanditEngine:
-        return ToolBanditEngine(self)
+    def token_sampler(self) -> ToolBanditSampler:
+        return ToolBanditSampler(self)
 
     async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         self.steps_seen += [

@@ -122,22 +122,19 @@ class StringMetric(BanditBackend):
 
 
 class DictEngineReply(BanditBackend):
-    """The rollout engine replies with a plain dict instead of a `ModelOutput`."""
+    """The token sampler replies with a plain dict instead of a `ModelOutput`."""
 
-    def rollout_engine(self) -> Any:
+    def token_sampler(self) -> Any:
         outer = self
 
-        class Engine:
+        class Sampler:
             backend = outer
             tokenizer = outer.tokenizer
 
-            async def chat(self, messages: Any, **sampling: Any) -> Any:
+            async def sample(self, prompt_ids: Any, params: Any) -> Any:
                 return {"text": "1"}
 
-            async def complete(self, prompt_ids: Any, **sampling: Any) -> Any:
-                return {"text": "1"}
-
-        return Engine()
+        return Sampler()
 
 
 class NanGradient(BanditBackend):

@@ -22,11 +22,11 @@ from torchkit.builtin import (
     BUILTIN_SIZES,
     build_model,
     build_tokenizer,
-    chat_prompt_ids,
     is_builtin,
     load_policy,
     save_policy,
 )
+from unified.chat import chat_prompt_ids
 from unified.errors import UsageError
 from workflows.tool_calls import TOOL_CALL_END, TOOL_CALL_START
 
@@ -146,7 +146,7 @@ def test_chat_prompt_ids_unwraps_a_tokenizer_that_returns_a_mapping() -> None:
         def apply_chat_template(self, *args: Any, **kwargs: Any) -> Mapping[str, list[int]]:
             return {"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1]}
 
-    assert chat_prompt_ids(MappingTokenizer(), MESSAGES) == [1, 2, 3]  # type: ignore[arg-type]
+    assert chat_prompt_ids(MappingTokenizer(), MESSAGES) == [1, 2, 3]
 
 
 @pytest.mark.parametrize(

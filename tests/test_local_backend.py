@@ -28,6 +28,7 @@ from unified.protocol import (
     create_backend,
     resolve_tis_cap,
 )
+from unified.rollout import SamplingEngine
 from unified.sequences import sequences_of
 from unified.types import Episode, ModelOutput, SamplingParams, Step, Trajectory, TrajectoryGroup
 
@@ -56,7 +57,9 @@ async def started(config: TrainerConfig | None = None) -> LocalBackend:
 
 async def sample(backend: LocalBackend, prompt: str, seed: int, **kw: Any) -> ModelOutput:
     params = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8, "stop": [], "seed": seed} | kw
-    return await backend.rollout_engine().chat([{"role": "user", "content": prompt}], **params)
+    return await SamplingEngine(backend.token_sampler()).chat(
+        [{"role": "user", "content": prompt}], **params
+    )
 
 
 def group_of(outputs: list[ModelOutput], advantages: list[float]) -> TrajectoryGroup:
@@ -277,7 +280,7 @@ async def test_a_batch_stops_decoding_the_requests_whose_callers_gave_up(
     backend = await started(local_config().model_copy(update={"local": {"threads": 1}}))
     prompt = [5, 6, 7]
     long = SamplingParams(temperature=1.0, max_tokens=240, seed=1)
-    callers = [asyncio.create_task(backend.sampler.generate(prompt, long)) for _ in range(32)]
+    callers = [asyncio.create_task(backend.sampler.sample(prompt, long)) for _ in range(32)]
     await asyncio.sleep(0.2)  # the batch is decoding
     for caller in callers:
         caller.cancel()
@@ -287,7 +290,7 @@ async def test_a_batch_stops_decoding_the_requests_whose_callers_gave_up(
     (abandoned,) = batches
     assert {o.finish_reason for o in abandoned} == {"aborted"}
     assert max(len(o.completion_ids) for o in abandoned) < 240, "decoded to max_tokens"
-    short = await backend.sampler.generate(prompt, SamplingParams(max_tokens=2, seed=2))
+    short = await backend.sampler.sample(prompt, SamplingParams(max_tokens=2, seed=2))
     assert len(short.completion_ids) == 2
     await backend.shutdown()
 
@@ -310,7 +313,7 @@ async def test_a_weight_load_waits_for_batches_on_its_copy_within_a_deadline() -
 
 async def test_any_int_seed_samples_and_fails_no_other_request_of_its_batch() -> None:
     backend = await started()
-    engine = backend.rollout_engine()
+    engine = SamplingEngine(backend.token_sampler())
     seeds = [0, 1, 2**64, 2**70 + 3, -5]
     outputs = await asyncio.gather(
         *(engine.complete([5, 6, 7], max_tokens=4, seed=seed, temperature=1.0) for seed in seeds)
@@ -383,7 +386,7 @@ async def test_a_batched_request_gets_what_it_would_get_alone() -> None:
 
 async def test_prompts_of_very_different_lengths_prefill_in_groups_and_score_exactly() -> None:
     backend = await started()
-    engine = backend.rollout_engine()
+    engine = SamplingEngine(backend.token_sampler())
     params = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 6, "stop": [], "seed": 3}
     prompts = [[10 + i % 50] * n for i, n in enumerate([3, 4, 120, 118, 60, 3])]
     assert len(prefill_groups([len(p) for p in prompts])) > 1
@@ -423,7 +426,7 @@ async def test_an_empty_prompt_is_a_usage_error() -> None:
     backend = await started()
     params = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 4, "stop": [], "seed": 0}
     with pytest.raises(UsageError, match="at least one token"):
-        await backend.rollout_engine().complete([], **params)
+        await SamplingEngine(backend.token_sampler()).complete([], **params)
     await backend.shutdown()
 
 
@@ -432,7 +435,7 @@ async def test_a_batch_may_mix_a_long_prompt_with_a_long_completion() -> None:
     limit = backend.sampler.max_positions
     assert limit is not None
     params = {"temperature": 1.0, "top_p": 1.0, "stop": [], "seed": 0}
-    engine = backend.rollout_engine()
+    engine = SamplingEngine(backend.token_sampler())
     long_prompt, short_prompt = [10] * (limit - 16), [10] * 8
     # Each fits on its own; together they need more cache than the model has positions.
     outputs = await asyncio.gather(

@@ -16,6 +16,7 @@ from torchkit.decoding import prefill_groups
 from torchkit.prefix_cache import KeyValues, PrefixCache
 from torchkit.sampler import Request, generate_batch
 from unified.config import TrainerConfig, load_config
+from unified.rollout import SamplingEngine
 from unified.types import ModelOutput, SamplingParams
 
 PARAMS = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8, "stop": []}
@@ -95,7 +96,7 @@ def config(prefix_cache_mb: float) -> TrainerConfig:
 
 async def conversation(backend: LocalBackend, seed: int, turns: int = 3) -> list[ModelOutput]:
     """A conversation whose every prompt extends the last prompt and reply, as an agent's does."""
-    engine = backend.rollout_engine()
+    engine = SamplingEngine(backend.token_sampler())
     tail = backend.tokenizer.encode("= 12")
     prompt = backend.tokenizer.encode(f"{seed} 5 7 -> 22")
     outputs = []
@@ -140,7 +141,7 @@ async def test_a_weight_sync_leaves_nothing_to_reuse() -> None:
     await backend.on_policy_updated(1)
     tail = backend.tokenizer.encode("= 12")
     prompt = first.prompt_ids + first.completion_ids + tail
-    out = await backend.rollout_engine().complete(prompt, **PARAMS, seed=4)
+    out = await SamplingEngine(backend.token_sampler()).complete(prompt, **PARAMS, seed=4)
     cache = backend.sampler.prefix_cache
     assert cache is not None and cache.hits == 0
     assert out.logprobs == pytest.approx(teacher_forced_logprobs(backend.model, out), abs=1e-5)

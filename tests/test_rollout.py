@@ -18,7 +18,7 @@ TASK = Task(id="t0", data={"target": 1})
 
 
 def engine(**sampling: Any) -> SamplingEngine:
-    return SamplingEngine(BanditBackend().rollout_engine(), SamplingParams(**sampling), seed=7)
+    return SamplingEngine(BanditBackend().token_sampler(), SamplingParams(**sampling), seed=7)
 
 
 async def test_workflow_exception_becomes_an_error_episode_with_its_text() -> None:
@@ -56,7 +56,7 @@ async def test_workflow_returning_the_wrong_type_is_an_error_episode() -> None:
 
 async def test_sampling_view_fills_defaults_and_lets_a_request_override_them() -> None:
     view = engine(temperature=0.7, max_tokens=9)
-    backend = view._engine.backend  # type: ignore[attr-defined]
+    backend = view._sampler.backend  # type: ignore[attr-defined]
     await view.chat([{"role": "user", "content": "a"}])
     await view.chat([{"role": "user", "content": "b"}], max_tokens=3)
     first, second = backend.requests

@@ -23,6 +23,7 @@ from unified.cli import main
 from unified.config import load_config
 from unified.errors import BackendError, UsageError
 from unified.evaluation import run_eval
+from unified.rollout import SamplingEngine
 from unified.testing import digits_tasks
 from unified.types import Episode, ModelOutput, Step, Trajectory, TrajectoryGroup
 
@@ -325,7 +326,7 @@ async def kl_backend(server: LocalServer, tinker_config: Any) -> AsyncIterator[T
 async def test_a_request_running_at_a_weight_sync_finishes_on_the_old_version(
     kl_backend: TinkerBackend,
 ) -> None:
-    engine = kl_backend.rollout_engine()
+    engine = SamplingEngine(kl_backend.token_sampler())
     async with asyncio.timeout(60), asyncio.TaskGroup() as tg:
         # The task reads the sampling client when it starts, before the sync publishes one.
         running = tg.create_task(engine.complete([5, 6, 7], **SAMPLING))
@@ -339,7 +340,7 @@ async def test_a_request_running_at_a_weight_sync_finishes_on_the_old_version(
 async def test_the_kl_reference_stays_the_base_model_while_the_policy_trains(
     kl_backend: TinkerBackend,
 ) -> None:
-    engine = kl_backend.rollout_engine()
+    engine = SamplingEngine(kl_backend.token_sampler())
     async with asyncio.timeout(120):
         # Version 0 samples the base model: its logprobs are the reference's own.
         outputs = [await engine.complete([5, 6, 7 + i], **SAMPLING) for i in range(4)]

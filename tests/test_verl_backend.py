@@ -20,6 +20,7 @@ from examples.countdown.tasks import make_tasks
 from examples.countdown.workflow import CountdownWorkflow
 from unified import UnifiedTrainer
 from unified.config import TrainerConfig, load_config
+from unified.rollout import SamplingEngine
 from unified.sequences import sequences_of
 from unified.types import Episode, ModelOutput, Step, Trajectory, TrajectoryGroup
 
@@ -75,7 +76,7 @@ def test_countdown_trains_two_steps_on_the_cpu_worker_group_and_checkpoints_in_v
 
 async def rollout_groups(backend: VerlBackend, seed: int) -> list[TrajectoryGroup]:
     """Two groups of four countdown rollouts from the backend's sampler, advantages +-1."""
-    engine = backend.rollout_engine()
+    engine = SamplingEngine(backend.token_sampler())
     workflow = CountdownWorkflow()
     groups = []
     for g, task in enumerate(make_tasks(2, seed=seed)):

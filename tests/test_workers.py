@@ -23,8 +23,8 @@ from examples.countdown.workflow import CountdownWorkflow
 from tests.conftest import ConfigFactory
 from unified import UnifiedTrainer
 from unified.errors import BackendError
-from unified.protocol import RolloutEngine
-from unified.types import ModelOutput, Task, Trajectory, TrajectoryGroup
+from unified.protocol import RolloutEngine, TokenSampler
+from unified.types import ModelOutput, SamplingParams, Task, Trajectory, TrajectoryGroup
 
 ray = pytest.importorskip("ray")
 
@@ -135,16 +135,16 @@ def trained_pids(backend: RecordingBackend) -> set[int]:
 
 
 async def test_a_workers_model_calls_wait_for_the_trainers_replies_in_one_batch() -> None:
-    from unified.workers import _TrainerEngine
+    from unified.workers import _TrainerSampler
 
-    engine = _TrainerEngine(tokenizer=None)
-    first = asyncio.create_task(engine.chat([{"role": "user", "content": "hi"}], seed=1))
-    second = asyncio.create_task(engine.complete([1, 2], seed=2))
+    engine = _TrainerSampler(tokenizer=None)
+    first = asyncio.create_task(engine.sample([1], SamplingParams(seed=1)))
+    second = asyncio.create_task(engine.sample([1, 2], SamplingParams(seed=2)))
     requests, given_up = await engine.take(wait_s=5.0)
     assert given_up == []
-    assert [(method, sampling) for _, method, _, sampling in requests] == [
-        ("chat", {"seed": 1}),
-        ("complete", {"seed": 2}),
+    assert [(ids, params.seed) for _, ids, params in requests] == [
+        ([1], 1),
+        ([1, 2], 2),
     ], "both calls are taken in one long poll"
     output = ModelOutput(
         text="x",
@@ -162,17 +162,17 @@ async def test_a_workers_model_calls_wait_for_the_trainers_replies_in_one_batch(
 
 
 async def test_a_call_whose_workflow_gave_up_is_unsent_or_given_up_to_the_trainer() -> None:
-    from unified.workers import _TrainerEngine
+    from unified.workers import _TrainerSampler
 
-    engine = _TrainerEngine(tokenizer=None)
-    unsent = asyncio.create_task(engine.complete([1], seed=1))
+    engine = _TrainerSampler(tokenizer=None)
+    unsent = asyncio.create_task(engine.sample([1], SamplingParams(seed=1)))
     await asyncio.sleep(0)
     unsent.cancel()  # before any take: the trainer never sees it
     with pytest.raises(asyncio.CancelledError):
         await unsent
-    sent = asyncio.create_task(engine.complete([2], seed=2))
+    sent = asyncio.create_task(engine.sample([2], SamplingParams(seed=2)))
     (request,), _ = await engine.take(wait_s=5.0)
-    assert request[2] == [2], "the call given up on before it was taken is not sent"
+    assert request[1] == [2], "the call given up on before it was taken is not sent"
     sent.cancel()  # taken: the trainer is running it
     with pytest.raises(asyncio.CancelledError):
         await sent
@@ -180,7 +180,7 @@ async def test_a_call_whose_workflow_gave_up_is_unsent_or_given_up_to_the_traine
 
 
 class StuckFirstCall(LocalBackend):
-    """The local backend, whose engine holds the first model call until it is cancelled."""
+    """The local backend, whose sampler holds the first model call until it is cancelled."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -192,32 +192,29 @@ class StuckFirstCall(LocalBackend):
         self.steps += 1
         return await super().optim_step()
 
-    def rollout_engine(self) -> RolloutEngine:
-        return HoldFirstCall(super().rollout_engine(), self)
+    def token_sampler(self) -> TokenSampler:
+        return HoldFirstCall(super().token_sampler(), self)
 
 
-class HoldFirstCall(RolloutEngine):
-    """An engine that holds the backend's first chat call until it is cancelled."""
+class HoldFirstCall:
+    """A sampler that holds the backend's first call until it is cancelled."""
 
-    def __init__(self, inner: RolloutEngine, backend: StuckFirstCall) -> None:
+    def __init__(self, inner: TokenSampler, backend: StuckFirstCall) -> None:
         self.inner, self.backend = inner, backend
 
     @property
     def tokenizer(self) -> Any:
         return self.inner.tokenizer
 
-    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
         if self.backend.held:
-            return await self.inner.chat(messages, **sampling)
+            return await self.inner.sample(prompt_ids, params)
         self.backend.held += 1
         try:
             await asyncio.Event().wait()
         finally:
             self.backend.cancelled_at_step.append(self.backend.steps)
         raise AssertionError("never set")
-
-    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
-        return await self.inner.complete(prompt_ids, **sampling)
 
 
 @pytest.mark.usefixtures("private_ray")

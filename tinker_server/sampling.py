@@ -172,7 +172,7 @@ class SamplerPool:
 
         try:
             outputs = await asyncio.gather(
-                *[sampler.generate(prompt_ids, nth(i)) for i in range(num_samples)]
+                *[sampler.sample(prompt_ids, nth(i)) for i in range(num_samples)]
             )
         except UsageError as e:  # from the sampler's checks: prompt too long, or empty
             raise UserError(str(e)) from e

@@ -15,9 +15,9 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -38,7 +38,6 @@ __all__ = [
     "BUILTIN_SIZES",
     "build_model",
     "build_tokenizer",
-    "chat_prompt_ids",
     "is_builtin",
     "load_policy",
     "load_tokenizer",
@@ -169,31 +168,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = _CHAT_TEMPLATE
     return tokenizer
-
-
-def chat_prompt_ids(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    add_generation_prompt: bool = True,
-) -> list[int]:
-    """Token ids of `messages` rendered by the tokenizer's chat template, as a flat list.
-
-    transformers 5 `apply_chat_template(..., tokenize=True)` returns a `BatchEncoding` by default
-    (`return_dict=True`); this asks for a list and still unwraps a mapping, so the result is a
-    `list[int]` for any tokenizer with a chat template.
-    """
-    encoded = tokenizer.apply_chat_template(
-        [dict(message) for message in messages],
-        add_generation_prompt=add_generation_prompt,
-        tokenize=True,
-        return_dict=False,
-    )
-    if isinstance(encoded, Mapping):
-        encoded = encoded["input_ids"]
-    if not (isinstance(encoded, list) and all(isinstance(t, int) for t in encoded)):
-        raise TypeError(f"apply_chat_template gave {type(encoded).__name__}, not a list of ids")
-    return cast(list[int], encoded)
 
 
 def build_model(

@@ -313,7 +313,10 @@ def copy_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) ->
 
 
 class BatchingSampler:
-    """Serves concurrent `generate` calls by batching them over a private copy of the weights."""
+    """Serves concurrent `sample` calls by batching them over a private copy of the weights.
+
+    It is the `unified.protocol.TokenSampler` of the backends that sample in-process.
+    """
 
     def __init__(
         self,
@@ -389,7 +392,7 @@ class BatchingSampler:
             with self._swap:
                 self._standby, self._current = self._current, standby
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
         """Sample one completion; batched with whatever else is waiting."""
         # Checked before joining, so one bad request cannot fail the batch it would join.
         check_request(prompt_ids, params, self.max_positions)

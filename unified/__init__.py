@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from unified.coordinator import SyncCoordinator
     from unified.groups import TrajectoryGroupBuffer
     from unified.metrics import MetricsAggregator
-    from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
+    from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine, TokenSampler
     from unified.sequences import TrainingSequence, sequences_of
     from unified.trainer import TrainResult, UnifiedTrainer
     from unified.types import (
@@ -40,6 +40,7 @@ _MODULE_OF = {
     "Step": "unified.types",
     "SyncCoordinator": "unified.coordinator",
     "Task": "unified.types",
+    "TokenSampler": "unified.protocol",
     "TrainResult": "unified.trainer",
     "TrainerConfig": "unified.config",
     "TrainingSequence": "unified.sequences",
@@ -63,6 +64,7 @@ __all__ = [
     "Step",
     "SyncCoordinator",
     "Task",
+    "TokenSampler",
     "TrainResult",
     "TrainerConfig",
     "TrainingSequence",

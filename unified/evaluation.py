@@ -1,6 +1,6 @@
 """Evaluation: run each eval task once with the eval sampling settings and score the episodes.
 
-Evaluation shares the backend's rollout engine with training but never its settings: every eval
+Evaluation shares the backend's token sampler with training but never its settings: every eval
 request carries `sampling.eval`, so an evaluation in the middle of an async run leaves the
 training requests around it untouched.
 """
@@ -19,7 +19,7 @@ from unified.config import TrainerConfig
 from unified.data import load_eval_tasks
 from unified.errors import ConfigError
 from unified.model_provider import resolve_model
-from unified.protocol import RolloutEngine, check_capabilities, create_backend
+from unified.protocol import TokenSampler, check_capabilities, create_backend
 from unified.rollout import (
     SamplingEngine,
     WorkflowDeadlines,
@@ -45,7 +45,7 @@ def is_correct(episode: Episode) -> bool:
 
 async def evaluate(
     workflow: WorkflowFn,
-    engine: RolloutEngine,
+    sampler: TokenSampler,
     tasks: Sequence[Task],
     sampling: SamplingParams,
     *,
@@ -61,12 +61,11 @@ async def evaluate(
     """
     started = time.monotonic()
     episodes: list[Episode] = []
-    defaults = sampling.model_dump()
     deadlines = WorkflowDeadlines(timeout_s)
 
     async def one(index: int, task: Task) -> None:
         async with slots:
-            view = SamplingEngine(engine, defaults, seed + index)
+            view = SamplingEngine(sampler, sampling, seed + index)
             episode, _ = await run_episode(
                 workflow, task, view, rollout_index=0, version=version, deadlines=deadlines
             )
@@ -158,7 +157,7 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
             version, step = state.version, state.step
         metrics = await evaluate(
             workflow,
-            backend.rollout_engine(),
+            backend.token_sampler(),
             tasks,
             config.sampling.eval,
             seed=config.trainer.seed,

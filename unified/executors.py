@@ -19,10 +19,10 @@ def rollout_executor(
     config: TrainerConfig, workflow: WorkflowFn, backend: BackendProtocol
 ) -> RolloutExecutor:
     """The executor `rollout.workers` asks for: in process (0), or on that many Ray workers."""
-    sampling = config.sampling.train.model_dump()
+    sampling = config.sampling.train
     if config.rollout.workers == 0:
         deadlines = WorkflowDeadlines(config.trainer.workflow_timeout_s)
-        return InProcessRollouts(workflow, backend.rollout_engine, sampling, deadlines)
+        return InProcessRollouts(workflow, backend.token_sampler, sampling, deadlines)
     try:
         from unified.workers import WorkerPool  # imports Ray, only when asked for
     except ImportError as e:

@@ -500,7 +500,7 @@ class TrainingLoop:
         settings = self.config.trainer
         return await evaluate(
             self.workflow,
-            self.backend.rollout_engine(),
+            self.backend.token_sampler(),
             self.eval_tasks,
             self.config.sampling.eval,
             seed=settings.seed,

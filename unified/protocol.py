@@ -1,9 +1,12 @@
-"""The two interfaces between the trainer and the world: `BackendProtocol` and `RolloutEngine`.
+"""The interfaces between the trainer and the world: `BackendProtocol`, its `TokenSampler`, and
+the `RolloutEngine` workflows see.
 
-A backend trains the policy and serves it for sampling; the trainer owns the policy version and
-tells the backend when version `v` must become visible to sampling (`on_policy_updated`). A
-workflow sees only a `RolloutEngine`. Every sampling setting is passed per request, so train and
-eval requests never share a mutable engine-wide mode.
+A backend trains the policy and serves it for sampling on token ids (`token_sampler()`); the
+trainer owns the policy version and tells the backend when version `v` must become visible to
+sampling (`on_policy_updated`). A workflow sees only a `RolloutEngine`, which the core builds over
+the backend's sampler (`unified.rollout.SamplingEngine`): chat templating happens there, once, for
+every backend. Every sampling setting is passed per request, so train and eval requests never
+share a mutable engine-wide mode.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_chec
 from pydantic import BaseModel, ConfigDict, Field
 
 from unified.config import LOSS_AGGREGATIONS
-from unified.types import ModelOutput, TrajectoryGroup
+from unified.types import ModelOutput, SamplingParams, TrajectoryGroup
 
 if TYPE_CHECKING:
     from unified.config import TrainerConfig
@@ -26,8 +29,10 @@ __all__ = [
     "DEFAULT_TIS_CAP",
     "BackendCapabilities",
     "BackendProtocol",
+    "ChatTokenizer",
     "RolloutEngine",
     "RunStatus",
+    "TokenSampler",
     "Tokenizer",
     "backend_class",
     "check_capabilities",
@@ -51,11 +56,48 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+class ChatTokenizer(Protocol):
+    """A backend's tokenizer as the core uses it: prompts are rendered with its chat template
+    (`unified.chat`), and workflows get it as their `Tokenizer`. Hugging Face tokenizers fit it
+    (their `decode` is typed for batches too, so they are not a `Tokenizer` to a type checker).
+    """
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tokenize: bool,
+        return_dict: bool,
+    ) -> Any: ...
+
+
+class TokenSampler(Protocol):
+    """What a backend serves for sampling: its tokenizer, and completions of token ids.
+
+    The core applies the chat template with `tokenizer` and fills in every sampling setting
+    (train or eval settings, the request's seed) before calling `sample`; a backend (the local
+    sampler, a remote service, an inference engine) only samples. A cancelled `sample` should
+    stop sampling for that request.
+    """
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        """The policy's tokenizer, chat template included."""
+        ...
+
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
+        """One completion of `prompt_ids` under `params` (read-only), from the policy version
+        last made visible, stamped with that version in `ModelOutput.policy_version`."""
+        ...
+
+
 class RolloutEngine(ABC):
     """What a workflow sees of the policy: a tokenizer and two async sampling calls.
 
     `sampling` keywords are those of `unified.types.SamplingParams`; the trainer hands workflows
-    an engine that fills in the train or eval settings, so backends always receive all of them.
+    the core's engine (`unified.rollout.SamplingEngine`) that fills in the train or eval settings
+    and samples on the backend's `TokenSampler`.
     """
 
     @property
@@ -130,8 +172,8 @@ class BackendProtocol(ABC):
         """Load the model, optimizer and sampler; called once before anything else."""
 
     @abstractmethod
-    def rollout_engine(self) -> RolloutEngine:
-        """The engine that samples from the policy version last made visible."""
+    def token_sampler(self) -> TokenSampler:
+        """What samples from the policy version last made visible (after `setup`)."""
 
     @abstractmethod
     async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """Running one workflow on one task: the per-request sampling view, slots, the episode runner.
 
-`SamplingEngine` is what a workflow actually receives: it wraps the backend's engine, fills in the
-train or eval sampling settings per request, and gives each request a reproducible seed. The
+`SamplingEngine` is what a workflow actually receives: over the backend's `TokenSampler`, it
+applies the chat template (`unified.chat`), fills in the train or eval sampling settings per
+request, and gives each request a reproducible seed. The
 runner turns a workflow run into an `Episode`; a workflow's exception or timeout is recorded,
 never raised, so one bad rollout cannot take the run down. `WorkflowSlots` bounds how many
 workflows run at once and how fast they start.
@@ -14,14 +15,15 @@ import contextlib
 import inspect
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from asyncio_throttle.throttler import Throttler
 from pydantic import ValidationError
 
+from unified.chat import chat_prompt_ids
 from unified.errors import BackendReplyError, UsageError, WorkflowError
 from unified.imports import import_object
-from unified.protocol import RolloutEngine, Tokenizer
+from unified.protocol import RolloutEngine, Tokenizer, TokenSampler
 from unified.types import Episode, EpisodeStatus, ModelOutput, SamplingParams, Task, Trajectory
 
 if TYPE_CHECKING:
@@ -47,58 +49,63 @@ EpisodeResult = tuple[Episode, BaseException | None, int]
 
 
 class SamplingEngine(RolloutEngine):
-    """A workflow's view of the policy: per-request defaults, seeds and token accounting.
+    """A workflow's view of the policy: the chat template, per-request settings, seeds and token
+    accounting, over the backend's `TokenSampler`.
 
-    `defaults` are the train or eval settings; a dict is taken as an already validated
-    `SamplingParams.model_dump()` (the trainer builds it once per run, not once per request).
-    A workflow's own keyword overrides are validated, since they are the workflow's input.
+    Each request's `SamplingParams` is built here, once: `defaults` (the train or eval settings,
+    shared by every engine of a run; `SamplingParams()` when omitted) with the workflow's own
+    keyword overrides, which are validated, since they are the workflow's input; and, unless the
+    request names one, the seed `seed * 1000 + call index`.
     """
 
     def __init__(
         self,
-        engine: RolloutEngine,
-        defaults: SamplingParams | dict[str, Any],
-        seed: int | None,
+        sampler: TokenSampler,
+        defaults: SamplingParams | None = None,
+        seed: int | None = None,
     ) -> None:
-        self._engine = engine
-        self._defaults = defaults.model_dump() if isinstance(defaults, SamplingParams) else defaults
+        self._sampler = sampler
+        self._defaults = SamplingParams() if defaults is None else defaults
         self._seed = seed
         self._calls = 0
         self.completion_tokens = 0
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self._engine.tokenizer
+        return cast(Tokenizer, self._sampler.tokenizer)  # see `ChatTokenizer`
 
     def encode_chat(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
     ) -> list[int]:
-        return self._engine.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+        return chat_prompt_ids(
+            self._sampler.tokenizer, messages, add_generation_prompt=add_generation_prompt
+        )
 
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
-        return self._checked(await self._engine.chat(messages, **self._params(sampling)))
+        params = self._params(sampling)  # a bad override fails before the template runs
+        return await self._sample(self.encode_chat(messages), params)
 
     async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
-        return self._checked(await self._engine.complete(prompt_ids, **self._params(sampling)))
+        return await self._sample(prompt_ids, self._params(sampling))
 
-    def _params(self, overrides: dict[str, Any]) -> dict[str, Any]:
-        if overrides:
-            params = SamplingParams.model_validate({**self._defaults, **overrides}).model_dump()
-        else:
-            params = self._defaults.copy()
-        if params["seed"] is None and self._seed is not None:
-            params["seed"] = self._seed * 1_000 + self._calls
-        self._calls += 1
-        return params
-
-    def _checked(self, output: Any) -> ModelOutput:
+    async def _sample(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
+        output = await self._sampler.sample(prompt_ids, params)
         if not isinstance(output, ModelOutput):
             raise BackendReplyError(
-                f"rollout engine returned {type(output).__name__}, not ModelOutput (fix the "
-                "backend's engine)"
+                f"token sampler returned {type(output).__name__}, not ModelOutput (fix the "
+                "backend's token_sampler().sample)"
             )
         self.completion_tokens += len(output.completion_ids)
         return output
+
+    def _params(self, overrides: dict[str, Any]) -> SamplingParams:
+        params = self._defaults
+        if overrides:
+            params = SamplingParams.model_validate({**params.model_dump(), **overrides})
+        if params.seed is None and self._seed is not None:
+            params = params.model_copy(update={"seed": self._seed * 1_000 + self._calls})
+        self._calls += 1
+        return params
 
 
 class WorkflowSlots:
@@ -283,17 +290,17 @@ class RolloutExecutor(Protocol):
 
 class InProcessRollouts:
     """Workflows as tasks on the running event loop: the trainer's (`rollout.workers: 0`, the
-    default) or a Ray worker's. `engine` gives the policy's engine for each run."""
+    default) or a Ray worker's. `sampler` gives the policy's sampler for each run."""
 
     def __init__(
         self,
         workflow: WorkflowFn,
-        engine: Callable[[], RolloutEngine],
-        sampling: dict[str, Any],
+        sampler: Callable[[], TokenSampler],
+        sampling: SamplingParams,
         deadlines: WorkflowDeadlines,
     ) -> None:
         self._workflow = workflow
-        self._engine = engine
+        self._sampler = sampler
         self._sampling = sampling
         self._deadlines = deadlines
 
@@ -301,7 +308,7 @@ class InProcessRollouts:
         return contextlib.nullcontext()
 
     async def run(self, task: Task, index: int, *, version: int, seed: int) -> EpisodeResult:
-        engine = SamplingEngine(self._engine(), self._sampling, seed)
+        engine = SamplingEngine(self._sampler(), self._sampling, seed)
         episode, error = await run_episode(
             self._workflow,
             task,

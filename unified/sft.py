@@ -23,6 +23,7 @@ from unified.errors import DataError, UsageError
 from unified.metrics import metrics_for
 from unified.model_provider import resolve_model
 from unified.protocol import BackendProtocol, RolloutEngine, check_capabilities, create_backend
+from unified.rollout import SamplingEngine
 from unified.schedule import learning_rate
 from unified.types import Episode, ModelOutput, Step, Task, Trajectory, TrajectoryGroup
 
@@ -103,7 +104,7 @@ async def _fine_tune(
     error: BaseException | None = None
     try:
         await calls.call("setup", functools.partial(backend.setup, config))
-        engine = backend.rollout_engine()
+        engine = SamplingEngine(backend.token_sampler())
         for step in range(config.trainer.total_steps):
             started = time.monotonic()
             groups = [

@@ -28,21 +28,27 @@ import math
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from unified.config import TrainerConfig
 from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
-from unified.types import ModelOutput, Step, Task, Trajectory, TrajectoryGroup
+from unified.types import ModelOutput, SamplingParams, Step, Task, Trajectory, TrajectoryGroup
 
 
 class CharTokenizer:
-    """Code points as token ids."""
+    """Code points as token ids; its chat template is the messages' contents, concatenated."""
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
 
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(
+        self, conversation: list[dict[str, Any]], *, tokenize: bool = True, **_: Any
+    ) -> list[int] | str:
+        text = "".join(str(m["content"]) for m in conversation)
+        return self.encode(text) if tokenize else text
 
 
 def softmax(logits: list[float], temperature: float = 1.0) -> list[float]:
@@ -56,8 +62,8 @@ def softmax(logits: list[float], temperature: float = 1.0) -> list[float]:
 END_OF_ANSWER = ord(".")
 
 
-class BanditEngine(RolloutEngine):
-    """Samples an answer digit from the sampler copy of the logits."""
+class BanditSampler:
+    """Samples an answer digit from the sampler copy of the logits (the bandit's `TokenSampler`)."""
 
     def __init__(self, backend: BanditBackend) -> None:
         self.backend = backend
@@ -66,22 +72,19 @@ class BanditEngine(RolloutEngine):
     def tokenizer(self) -> CharTokenizer:
         return self.backend.tokenizer
 
-    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
-        prompt = "".join(str(m["content"]) for m in messages)
-        return await self.complete(self.tokenizer.encode(prompt), **sampling)
-
-    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
         b = self.backend
-        b.requests.append({**sampling, "version": b.sampler_version})
+        seed, temperature = cast(int, params.seed), params.temperature  # the core sets seeds
+        b.requests.append({**params.model_dump(), "version": b.sampler_version})
         b.active_requests += 1
         try:
-            await b.latency(sampling["seed"])
+            await b.latency(seed)
             version, logits = b.sampler_version, list(b.sampler_logits)
-            if sampling["temperature"] == 0:
+            if temperature == 0:
                 answer = max(range(len(logits)), key=lambda i: logits[i])
             else:
-                probs = softmax(logits, sampling["temperature"])
-                answer = random.Random(sampling["seed"]).choices(range(len(probs)), probs)[0]
+                probs = softmax(logits, temperature)
+                answer = random.Random(seed).choices(range(len(probs)), probs)[0]
             logprob = math.log(softmax(logits)[answer])
             if not b.partial_rollout:
                 return ModelOutput(
@@ -92,7 +95,7 @@ class BanditEngine(RolloutEngine):
                     finish_reason="stop",
                     policy_version=version,
                 )
-            await b.end_latency(sampling["seed"] + 1)
+            await b.end_latency(seed + 1)
             return ModelOutput(
                 text=str(answer),
                 prompt_ids=prompt_ids,
@@ -159,8 +162,8 @@ class BanditBackend(BackendProtocol):
         self.model = config.model
         self.lr = config.trainer.lr
 
-    def rollout_engine(self) -> BanditEngine:
-        return BanditEngine(self)
+    def token_sampler(self) -> BanditSampler:
+        return BanditSampler(self)
 
     async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         self.events.append(("forward_backward", [g.group_id for g in groups]))

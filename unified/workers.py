@@ -4,8 +4,9 @@ With `rollout.workers: N > 0`, each episode runs in one of N Ray actors (`Rollou
 with its own event loop and concurrency limit, so tool and environment work is spread over
 processes (and nodes). The trainer keeps admission, groups and the ledger; it gets finished
 `Episode`s back. A workflow's model calls come back to the trainer: the worker queues each
-request, the trainer long-polls every worker for its queue (`take_requests`), runs the requests
-on `backend.rollout_engine()` and delivers the outputs (`deliver`); a call whose workflow gave up
+request (prompt ids, chat template applied in the worker, and the request's settings), the trainer
+long-polls every worker for its queue (`take_requests`), samples them on
+`backend.token_sampler()` and delivers the outputs (`deliver`); a call whose workflow gave up
 (its timeout) is unsent, or cancelled in the trainer, so the backend stops sampling it. Every
 backend works this way, wherever its model lives, and weight syncs stay where they are.
 
@@ -30,7 +31,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from unified.config import TrainerConfig
 from unified.errors import WorkerError, WorkflowError
-from unified.protocol import BackendProtocol, RolloutEngine, Tokenizer
+from unified.protocol import BackendProtocol, ChatTokenizer, TokenSampler
 from unified.ray_runtime import start_local_ray
 from unified.rollout import (
     EpisodeResult,
@@ -39,14 +40,14 @@ from unified.rollout import (
     WorkflowFn,
     WorkflowSlots,
 )
-from unified.types import Episode, ModelOutput, Task
+from unified.types import Episode, ModelOutput, SamplingParams, Task
 
 __all__ = ["RolloutWorker", "WorkerPool"]
 
 log = logging.getLogger(__name__)
 
-Request = tuple[int, str, Any, dict[str, Any]]
-"""A model call queued by a worker: (call id, "chat" or "complete", messages or ids, sampling)."""
+Request = tuple[int, list[int], SamplingParams]
+"""A model call queued by a worker: (call id, prompt ids, the request's complete settings)."""
 
 Taken = tuple[list[Request], list[int]]
 """A long poll's answer: the new requests, and the ids of sent ones whose callers gave up."""
@@ -60,10 +61,11 @@ _ATTEMPTS = 3
 """Runs of one episode whose worker died before it is recorded as an error episode."""
 
 
-class _TrainerEngine(RolloutEngine):
-    """The policy as seen from inside a worker: each call waits for the trainer's reply."""
+class _TrainerSampler:
+    """The policy's `TokenSampler` as seen from inside a worker: the workflow's `SamplingEngine`
+    templates and builds the settings here, and each `sample` waits for the trainer's reply."""
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: ChatTokenizer | None) -> None:
         self._tokenizer = tokenizer
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future[ModelOutput]] = {}
@@ -72,25 +74,23 @@ class _TrainerEngine(RolloutEngine):
         self._queued = asyncio.Event()
 
     @property
-    def tokenizer(self) -> Tokenizer:
+    def tokenizer(self) -> ChatTokenizer:
         if self._tokenizer is None:
             raise WorkerError(
                 "the backend's tokenizer could not be sent to the rollout workers (not "
-                "picklable); use rollout.workers=0 for workflows that need model.tokenizer"
+                "picklable), and workflows there need it for model.chat and model.tokenizer; "
+                "use rollout.workers=0"
             )
         return self._tokenizer
 
-    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
-        return await self._ask("chat", list(messages), sampling)
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
+        return await self._ask(prompt_ids, params)
 
-    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
-        return await self._ask("complete", prompt_ids, sampling)
-
-    async def _ask(self, method: str, payload: Any, sampling: dict[str, Any]) -> ModelOutput:
+    async def _ask(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
         call_id = next(self._ids)
         reply: asyncio.Future[ModelOutput] = asyncio.get_running_loop().create_future()
         self._waiting[call_id] = reply
-        self._queue.append((call_id, method, payload, sampling))
+        self._queue.append((call_id, list(prompt_ids), params))
         self._queued.set()
         try:
             return await reply
@@ -138,14 +138,14 @@ class RolloutWorker:
     def __init__(
         self,
         workflow: WorkflowFn,
-        tokenizer: Tokenizer | None,
-        sampling: dict[str, Any],
+        tokenizer: ChatTokenizer | None,
+        sampling: SamplingParams,
         timeout_s: float,
         concurrency: int,
     ) -> None:
-        self._engine = _TrainerEngine(tokenizer)
+        self._sampler = _TrainerSampler(tokenizer)
         deadlines = WorkflowDeadlines(timeout_s)
-        self._rollouts = InProcessRollouts(workflow, lambda: self._engine, sampling, deadlines)
+        self._rollouts = InProcessRollouts(workflow, lambda: self._sampler, sampling, deadlines)
         self._slots = WorkflowSlots(concurrency)
 
     async def ready(self) -> int:
@@ -163,11 +163,11 @@ class RolloutWorker:
     async def take_requests(self, wait_s: float) -> Taken:
         """The model calls queued since the last take, and those given up on since (long poll,
         up to `wait_s`)."""
-        return await self._engine.take(wait_s)
+        return await self._sampler.take(wait_s)
 
     async def deliver(self, replies: list[Reply]) -> None:
         """The trainer's outputs (or errors) for earlier requests."""
-        self._engine.deliver(replies)
+        self._sampler.deliver(replies)
 
 
 def _portable(error: BaseException | None) -> BaseException | None:
@@ -207,7 +207,7 @@ class WorkerPool:
         config: TrainerConfig,
         workflow: WorkflowFn,
         backend: BackendProtocol,
-        sampling: dict[str, Any],
+        sampling: SamplingParams,
     ) -> None:
         self._settings = config.rollout
         self._workflow = workflow
@@ -338,9 +338,9 @@ class WorkerPool:
                 while not worker.lost.is_set():
                     async with asyncio.timeout(_POLL_S + self._call_timeout_s):
                         requests, given_up = await worker.actor.take_requests.remote(_POLL_S)
-                    engine = self._backend.rollout_engine()
+                    sampler = self._backend.token_sampler()
                     for request in requests:
-                        answer = serving.create_task(self._answer(worker, engine, request))
+                        answer = serving.create_task(self._answer(worker, sampler, request))
                         worker.answering[request[0]] = answer
                     for call_id in given_up:  # the backend stops sampling for them
                         if (running := worker.answering.pop(call_id, None)) is not None:
@@ -349,12 +349,11 @@ class WorkerPool:
         except* (RayActorError, TimeoutError):
             pass  # lost: the caller replaces it
 
-    async def _answer(self, worker: _Worker, engine: RolloutEngine, request: Request) -> None:
-        call_id, method, payload, sampling = request
+    async def _answer(self, worker: _Worker, sampler: TokenSampler, request: Request) -> None:
+        call_id, prompt_ids, params = request
         output: ModelOutput | BaseException
         try:
-            call = engine.chat if method == "chat" else engine.complete
-            output = await call(payload, **sampling)
+            output = await sampler.sample(prompt_ids, params)
         except Exception as e:  # the workflow's model call raised: it gets the error
             output = _portable(e) or e
         finally:
@@ -444,8 +443,8 @@ def _in_flight(worker: _Worker) -> int:
     return worker.in_flight
 
 
-def _portable_tokenizer(backend: BackendProtocol) -> Tokenizer | None:
-    tokenizer = backend.rollout_engine().tokenizer
+def _portable_tokenizer(backend: BackendProtocol) -> ChatTokenizer | None:
+    tokenizer = backend.token_sampler().tokenizer
     try:
         pickle.dumps(tokenizer)
     except Exception:

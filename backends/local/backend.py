@@ -10,7 +10,7 @@ Gradients of several `forward_backward` calls accumulate until `optim_step` (Ada
 clipping). Every blocking call runs in a worker thread; in async mode the KL reference is scored
 in one more, beside the policy's pass (`local.overlap_reference`). Checkpoints are safetensors:
 model, sampler (`torchkit/snapshots.py`), optimizer and RNG. The torch pieces (sampler, losses,
-built-in models, the rollout engine) are the torch kit's (`torchkit/`), shared with verl and the
+built-in models) are the torch kit's (`torchkit/`), shared with verl and the
 Tinker-compatible server.
 """
 
@@ -30,7 +30,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
 from torchkit.builtin import check_model_spec, load_policy, save_policy
-from torchkit.engine import LocalEngine
 from torchkit.losses import (
     LossAggregation,
     full_kl,
@@ -46,7 +45,7 @@ from unified.model_provider import is_model_provider
 from unified.protocol import (
     BackendCapabilities,
     BackendProtocol,
-    RolloutEngine,
+    TokenSampler,
     resolve_tis_cap,
 )
 from unified.sequences import TrainingSequence, sequences_of
@@ -232,8 +231,8 @@ class LocalBackend(BackendProtocol):
         )
         self._drop_gradients()  # a new model; drop the count of a step an earlier run abandoned
 
-    def rollout_engine(self) -> RolloutEngine:
-        return LocalEngine(self)
+    def token_sampler(self) -> TokenSampler:
+        return self.sampler
 
     def set_learning_rate(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -2,8 +2,9 @@
 
 - set-up: `ServiceClient(base_url, api_key)`, `create_lora_training_client(model, rank)`; with no
   `base_url` and no key it first starts the local server in a child process on loopback.
-- sampling: the rollout engine sends each request to the `SamplingClient` of the newest version,
-  many in flight; a request keeps the client it started on, so a weight sync never disturbs it.
+- sampling: the backend is its own `TokenSampler`: each request goes to the `SamplingClient` of
+  the newest version, many in flight; a request keeps the client it started on, so a weight sync
+  never disturbs it.
 - training: `forward_backward` submits and returns; `optim_step` submits right behind it and
   awaits both, so the server works while later groups still generate.
 - weight sync: `save_weights_and_get_sampling_client` (a new client per version).
@@ -34,17 +35,16 @@ from backends.tinker.config import TinkerConfig
 from backends.tinker.datums import to_datum
 from backends.tinker.server_process import ServerProcess
 from torchkit.builtin import load_tokenizer
-from torchkit.engine import LocalEngine
 from unified.config import TrainerConfig
 from unified.errors import BackendError, ConfigError, TransientBackendError, UsageError
-from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine, RunStatus
+from unified.protocol import BackendCapabilities, BackendProtocol, RunStatus, TokenSampler
 from unified.redaction import register
 from unified.retry import NO_RETRY, retrying
 from unified.sequences import TrainingSequence, fold_kl_penalty, sampled_entropy, sequences_of
 from unified.threads import in_daemon_thread
 from unified.types import ModelOutput, SamplingParams, TrajectoryGroup
 
-__all__ = ["TinkerBackend", "TinkerEngine"]
+__all__ = ["TinkerBackend"]
 
 T = TypeVar("T")
 LOCAL_KEY = "tml-local-server"
@@ -62,17 +62,6 @@ class _Pending:
 
     future: Any
     sequences: list[TrainingSequence]
-
-
-class TinkerEngine(LocalEngine):
-    """The local engine's chat template, sampling through the newest version's client."""
-
-    def __init__(self, backend: TinkerBackend) -> None:
-        self._tinker = backend
-        super().__init__(backend)  # type: ignore[arg-type]  # reads only `.tokenizer`
-
-    async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
-        return await self._tinker.sample(prompt_ids, SamplingParams.model_validate(sampling))
 
 
 class TinkerBackend(BackendProtocol):
@@ -261,8 +250,8 @@ class TinkerBackend(BackendProtocol):
 
     # -- sampling -----------------------------------------------------------------------------
 
-    def rollout_engine(self) -> RolloutEngine:
-        return TinkerEngine(self)
+    def token_sampler(self) -> TokenSampler:
+        return self  # `sample` picks the newest version's client per request
 
     def _publish(self, client: tinker.SamplingClient, *, version: int) -> None:
         # One attribute, replaced whole: a request reads the pair once when it starts.

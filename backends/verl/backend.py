@@ -42,12 +42,11 @@ from backends.verl.convert import to_batch
 from backends.verl.weights import tied_aliases
 from backends.verl.worker_group import PolicyGroup
 from torchkit.builtin import is_builtin, load_policy, save_policy
-from torchkit.engine import LocalEngine
 from torchkit.sampler import BatchingSampler
 from torchkit.snapshots import load_sampler, read_meta, save_sampler
 from unified.config import TrainerConfig
 from unified.errors import BackendError, UsageError
-from unified.protocol import BackendCapabilities, BackendProtocol, RolloutEngine
+from unified.protocol import BackendCapabilities, BackendProtocol, TokenSampler
 from unified.sequences import TrainingSequence, scoring_temperature, sequences_of
 from unified.threads import DaemonWorker, in_daemon_thread
 from unified.types import TrajectoryGroup
@@ -156,8 +155,8 @@ class VerlBackend(BackendProtocol):
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(OmegaConf.to_yaml(composed))
 
-    def rollout_engine(self) -> RolloutEngine:
-        return LocalEngine(self)
+    def token_sampler(self) -> TokenSampler:
+        return self.sampler
 
     def set_learning_rate(self, lr: float) -> None:
         self._lr = lr

@@ -3,9 +3,10 @@
 Semantics follow the service: position i of a datum's input predicts `target_tokens[i]`; every
 loss is a token-level **sum** (`loss:sum`), with per-token `advantages` (0 on prompt positions)
 and per-token `weights` for `cross_entropy`. Gradients of several `forward_backward` calls
-accumulate until `optim_step` (AdamW with the request's hyperparameters). The per-token policy
-losses are the torch kit's (`torchkit.losses`). Every method blocks: the server calls
-them from a worker thread, one at a time per model.
+accumulate until `optim_step` (AdamW with the request's hyperparameters). Scoring, the per-token
+policy losses and the optimizer step are the torch kit's (`torchkit.scoring`, `.losses`,
+`.optim`), as the local backend's. Every method blocks: the server calls them from a worker
+thread, one at a time per model.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from transformers import PreTrainedModel
 from tinker_server.lora import LoraTargets, attach_lora, merged_state_dict
 from tinker_server.wire import WireDatum
 from torchkit.losses import per_token_loss
+from torchkit.optim import clipped_step
+from torchkit.scoring import score_tokens
 
 __all__ = ["LOSS_INPUTS", "AdamSettings", "LoraSpec", "TrainingModel", "UserError"]
 
@@ -101,16 +104,19 @@ class TrainingModel:
         for start in range(0, len(data), _MICRO_BATCH):
             chunk = data[start : start + _MICRO_BATCH]
             with torch.set_grad_enabled(not forward_only):
-                logp_BL, mask_BL = self._target_logprobs(chunk)
-                loss = self._loss(chunk, loss_fn, logp_BL, mask_BL, clip_ratio)
+                logp_T = self._target_logprobs(chunk)
+                loss = self._loss(chunk, loss_fn, logp_T, clip_ratio)
                 if not forward_only and loss.requires_grad:
                     loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += float(loss.detach())
-            detached = logp_BL.detach().float().cpu().numpy()
-            outputs += [detached[b, : len(d.tokens)].copy() for b, d in enumerate(chunk)]
+            detached = logp_T.detach().float().cpu()
+            lengths = [len(d.tokens) for d in chunk]
+            outputs += [t.numpy().copy() for t in torch.split(detached, lengths)]
         return outputs, {"loss:sum": loss_sum}
 
-    def _target_logprobs(self, chunk: list[WireDatum]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _target_logprobs(self, chunk: list[WireDatum]) -> torch.Tensor:
+        """Logprobs of every datum's target tokens (position i predicts `target_tokens[i]`),
+        concatenated in datum order."""
         width = max(len(d.tokens) for d in chunk)
         ids_BL = torch.zeros(len(chunk), width, dtype=torch.long)
         targets_BL = torch.zeros(len(chunk), width, dtype=torch.long)
@@ -121,21 +127,21 @@ class TrainingModel:
             targets_BL[b, :n] = torch.from_numpy(d.inputs["target_tokens"].astype(np.int64))
             mask_BL[b, :n] = 1
         ids_BL, targets_BL, mask_BL = (t.to(self.device) for t in (ids_BL, targets_BL, mask_BL))
-        logits_BLV = self.model(input_ids=ids_BL, attention_mask=mask_BL).logits.float()
-        logp_BLV = torch.log_softmax(logits_BLV, dim=-1)
-        return logp_BLV.gather(2, targets_BL[..., None])[..., 0], mask_BL
+        valid_BL = mask_BL.bool()
+        rows_T, positions_T = valid_BL.nonzero(as_tuple=True)  # row-major: datum order
+        scores = score_tokens(
+            self.model,
+            ids_BL,
+            rows_T,
+            positions_T,
+            targets_BL[valid_BL],
+            attention_mask_BL=mask_BL,
+        )
+        return scores.logp_T
 
     def _loss(
-        self,
-        chunk: list[WireDatum],
-        loss_fn: str,
-        logp_BL: torch.Tensor,
-        mask_BL: torch.Tensor,
-        clip_ratio: float,
+        self, chunk: list[WireDatum], loss_fn: str, logp_T: torch.Tensor, clip_ratio: float
     ) -> torch.Tensor:
-        valid = mask_BL.bool()
-        logp_T = logp_BL[valid]
-
         def flat(name: str) -> torch.Tensor:
             values = np.concatenate([d.inputs[name] for d in chunk]).astype(np.float32)
             return torch.from_numpy(values).to(self.device)
@@ -152,11 +158,6 @@ class TrainingModel:
         params = [p for p in self.parameters.values() if p.grad is not None]
         if not params:
             return {"grad_norm": 0.0}
-        norm_limit = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, norm_limit))
-        if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise UserError(f"gradient norm is {grad_norm}; lower the learning rate")
         for group in self.optimizer.param_groups:
             group.update(
                 lr=adam.learning_rate,
@@ -164,9 +165,11 @@ class TrainingModel:
                 eps=adam.eps,
                 weight_decay=adam.weight_decay,
             )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm}
+        norm_limit = adam.grad_clip_norm if adam.grad_clip_norm > 0 else None
+        step = clipped_step(self.optimizer, params, max_grad_norm=norm_limit)
+        if step.skipped:
+            raise UserError(f"gradient norm is {step.grad_norm}; lower the learning rate")
+        return {"grad_norm": step.grad_norm}
 
     def merged_weights(self) -> dict[str, torch.Tensor]:
         """The base weights with the adapters folded in: what a sampler of this model loads."""

@@ -10,8 +10,8 @@ Gradients of several `forward_backward` calls accumulate until `optim_step` (Ada
 clipping). Every blocking call runs in a worker thread; in async mode the KL reference is scored
 in one more, beside the policy's pass (`local.overlap_reference`). Checkpoints are safetensors:
 model, sampler (`torchkit/snapshots.py`), optimizer and RNG. The torch pieces (sampler, losses,
-built-in models) are the torch kit's (`torchkit/`), shared with verl and the
-Tinker-compatible server.
+scoring, the optimizer step, built-in models) are the torch kit's (`torchkit/`), shared with verl
+and the Tinker-compatible server.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ from torchkit.losses import (
     per_token_loss,
     token_weights,
 )
+from torchkit.optim import clipped_step
 from torchkit.sampler import BatchingSampler
+from torchkit.scoring import TokenScores, score_tokens
 from torchkit.snapshots import contiguous, load_sampler, read_meta, save_sampler
 from unified.config import TrainerConfig, backend_section
 from unified.errors import BackendError, ConfigError
@@ -149,14 +151,6 @@ def split_threads(total: int, sampler: int | None, concurrent: bool) -> Threads:
 
 
 _Chunk = list[TrainingSequence]  # sequences scored in one forward pass
-
-
-class _Scores(NamedTuple):
-    """The trainer model's view of a chunk's sampled tokens, flattened in order."""
-
-    logp_T: torch.Tensor  # of each sampled token
-    entropy_T: torch.Tensor  # zeros unless asked for
-    log_probs_TV: torch.Tensor  # over the vocabulary, at each sampled token's position
 
 
 class LocalBackend(BackendProtocol):
@@ -283,7 +277,7 @@ class LocalBackend(BackendProtocol):
         chunks = [sequences[start : start + size] for start in range(0, len(sequences), size)]
         # The reference scores chunk i + 1 while the policy's pass runs on chunk i: one ahead,
         # so at most two chunks' reference scores are held at once.
-        current: Future[_Scores] | None = None
+        current: Future[TokenScores] | None = None
         ahead = self._reference_score(chunks, 0)
         try:
             offset = 0
@@ -314,7 +308,7 @@ class LocalBackend(BackendProtocol):
             metrics["train/is_clipped_frac"] = totals["is_capped"] / n
         return metrics
 
-    def _reference_score(self, chunks: list[_Chunk], index: int) -> Future[_Scores] | None:
+    def _reference_score(self, chunks: list[_Chunk], index: int) -> Future[TokenScores] | None:
         """The reference model's scores of `chunks[index]`, started now in the reference thread
         when it overlaps the policy's pass; None past the last chunk or when scored inline."""
         pool = self._reference_pool
@@ -322,7 +316,7 @@ class LocalBackend(BackendProtocol):
             return None
         return pool.submit(self._score_reference, chunks[index])
 
-    def _score_reference(self, chunk: _Chunk) -> _Scores:
+    def _score_reference(self, chunk: _Chunk) -> TokenScores:
         assert self.reference is not None
         torch.set_num_threads(self._threads.sampler)  # OpenMP counts per OS thread
         with torch.no_grad():  # thread-local: set here, not by the caller
@@ -334,7 +328,7 @@ class LocalBackend(BackendProtocol):
     def _backward_chunk(
         self,
         chunk: _Chunk,
-        reference: Future[_Scores] | None,
+        reference: Future[TokenScores] | None,
         weights_T: torch.Tensor,
         totals: dict[str, float],
     ) -> None:
@@ -373,31 +367,27 @@ class LocalBackend(BackendProtocol):
             totals["is_capped"] += float(terms.is_capped_T.sum())
         totals["tokens"] += float(len(logp_T))
 
-    def _score(self, model: torch.nn.Module, chunk: _Chunk, *, with_entropy: bool) -> _Scores:
+    def _score(self, model: torch.nn.Module, chunk: _Chunk, *, with_entropy: bool) -> TokenScores:
         """Log-probabilities (and entropies) of the chunk's sampled tokens, flattened in order."""
         width = max(len(seq.tokens) for seq in chunk)
         pad = self.tokenizer.pad_token_id or 0
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         for i, seq in enumerate(chunk):
             ids[i, : len(seq.tokens)] = torch.tensor(seq.tokens)
-        # Rows are right-padded: under causal attention no real token sees a pad, so no mask is
-        # needed, and without one attention takes its faster causal path (1.09x a pass on CPU).
-        logits = model(input_ids=ids.to(self.device)).logits
-        # One gather for every sampled token of the chunk (row i, position j-1 predicts token j):
-        # per-sequence slicing would add autograd nodes per sequence.
+        # Right-padded rows, no mask: attention takes its faster causal path (1.09x a pass on
+        # CPU). Row i, position j-1 predicts sampled token j, at the sequence's temperature.
         spans = [(i, j, seq) for i, seq in enumerate(chunk) for j in _sampled_positions(seq)]
-        rows_T = torch.tensor([i for i, _, _ in spans], dtype=torch.long)
-        positions_T = torch.tensor([j - 1 for _, j, _ in spans], dtype=torch.long)
-        targets_T = torch.tensor([seq.tokens[j] for _, j, seq in spans], device=self.device)
-        temperatures_T = torch.tensor([seq.temperature for _, _, seq in spans], device=self.device)
-        picked = logits[rows_T.to(self.device), positions_T.to(self.device)].float()
-        log_probs = torch.log_softmax(picked / temperatures_T[:, None], -1)
-        logp_T = log_probs.gather(1, targets_T[:, None])[:, 0]
-        if with_entropy:
-            entropy_T = -(log_probs.exp() * log_probs).sum(-1)
-        else:
-            entropy_T = torch.zeros_like(logp_T)
-        return _Scores(logp_T, entropy_T, log_probs)
+        return score_tokens(
+            model,
+            ids.to(self.device),
+            torch.tensor([i for i, _, _ in spans], dtype=torch.long, device=self.device),
+            torch.tensor([j - 1 for _, j, _ in spans], dtype=torch.long, device=self.device),
+            torch.tensor([seq.tokens[j] for _, j, seq in spans], device=self.device),
+            temperatures_T=torch.tensor(
+                [seq.temperature for _, _, seq in spans], device=self.device
+            ),
+            with_entropy=with_entropy,
+        )
 
     def _optim_step(self) -> dict[str, float]:
         """AdamW on the accumulated gradients, unless the loss or gradient norm is NaN/inf: then
@@ -413,14 +403,15 @@ class LocalBackend(BackendProtocol):
         for p in params:
             assert p.grad is not None
             p.grad.div_(norm)
-        max_norm = self.config.trainer.optimizer.max_grad_norm or math.inf  # null: no clipping
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        if not (loss_finite and math.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
+        step = clipped_step(
+            self.optimizer,
+            params,
+            max_grad_norm=self.config.trainer.optimizer.max_grad_norm,
+            finite_loss=loss_finite,
+        )
+        if step.skipped:
             return {"train/skipped_steps": 1.0}
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"train/grad_norm": grad_norm}
+        return {"train/grad_norm": step.grad_norm}
 
     # -- checkpoints --------------------------------------------------------------------------
 

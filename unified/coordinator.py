@@ -17,7 +17,9 @@ held by an unfinished group while a newer one is ready (`note_blocked`), one les
 that expired ready, which was generated for nothing (`note_wasted`). With `max_extra=0` (always
 in sync mode) no group ever expires.
 
-Pure arithmetic: no waiting, no clocks, no tasks. `TrajectoryGroupBuffer` is its one caller.
+It also decides when the weights sync (`after_step`): every `sync_every` optimizer steps, in
+both modes. Pure arithmetic: no waiting, no clocks, no tasks. `TrajectoryGroupBuffer` is its one
+caller.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class SyncCoordinator:
         self.version = 0
         self.max_staleness = max_staleness
         self.steps_per_window = sync_every
+        self.sync_every = sync_every
         self.slots_per_window = sync_every * batch_size
         self.capacity = (1 + max_staleness) * self.slots_per_window
         self.max_extra = max_extra
@@ -60,7 +63,9 @@ class SyncCoordinator:
         """
         trainer, async_ = config.trainer, config.async_
         if config.mode == "sync":
-            return cls(batch_size=trainer.batch_size, sync_every=1, max_staleness=0)
+            coordinator = cls(batch_size=trainer.batch_size, sync_every=1, max_staleness=0)
+            coordinator.sync_every = async_.sync_every
+            return coordinator
         slots = async_.sync_every * trainer.batch_size
         return cls(
             batch_size=trainer.batch_size,
@@ -133,6 +138,15 @@ class SyncCoordinator:
         Call `expire` next: groups whose deadline has passed must not stay alive."""
         self.version = version
         self.taken = 0
+
+    def after_step(self, step: int) -> int | None:
+        """Optimizer step `step` is done: the version the weights must sync to now, or None (a
+        window that ends without a sync reopens at the same version here)."""
+        if step % self.sync_every == 0:
+            return self.version + 1
+        if step % self.steps_per_window == 0:
+            self.open_window(self.version)
+        return None
 
     def note_blocked(self) -> None:
         """The trainer waits on an unfinished group with an earlier deadline while a newer group

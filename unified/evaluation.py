@@ -8,7 +8,6 @@ training requests around it untouched.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -143,15 +142,10 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
     # The trainer's deadlines and retries on every backend call: a stuck backend fails the
     # command instead of hanging it.
     async with backend_session(backend, config, describe="unified eval") as session:
-
-        async def load(directory: Path) -> None:
-            call = functools.partial(backend.load_checkpoint, directory)
-            await session.calls.call("load_checkpoint", call)
-
         await session.setup(config, loads_checkpoint=source is not None)
         version = step = 0
         if source is not None:
-            state = await RunDirectory.load_checkpoint(source, load)
+            state = await RunDirectory.load_checkpoint(source, session.load_checkpoint)
             version, step = state.version, state.step
         metrics = await evaluate(
             workflow,

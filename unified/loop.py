@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
-import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -41,6 +40,7 @@ from unified.recorder import StepRecorder
 from unified.rollout import WorkflowFn, WorkflowSlots
 from unified.schedule import learning_rate
 from unified.session import BackendSession
+from unified.stopping import GracefulStop, StepAbandoned
 from unified.types import Task, TrajectoryGroup
 
 __all__ = ["TrainingLoop"]
@@ -48,10 +48,6 @@ __all__ = ["TrainingLoop"]
 Item = tuple[GroupTicket, TrajectoryGroup]
 
 _YOUNG_COLLECTION_EVERY = 50_000
-
-
-class _StepAbandoned(Exception):
-    """A stop was requested and the step in progress cannot get its groups within the grace."""
 
 
 @contextmanager
@@ -86,6 +82,7 @@ class TrainingLoop:
     ) -> None:
         self.config = config
         self.workflow = workflow
+        self.session = session
         self.backend = backend = session.backend
         self.train_tasks = train_tasks
         self.eval_tasks = eval_tasks
@@ -101,13 +98,13 @@ class TrainingLoop:
         micro = settings.micro_batch_size if config.mode == "async" else None
         self._train_every: int = micro or settings.batch_size
         self._time_up = False
-        self.stop_signal: int | None = None
-        """The signal number `request_stop` was called with, once it was."""
+        self.stop = GracefulStop(settings.stop_grace_s)
         self._saved_step = 0  # the step of the newest checkpoint; step 0 needs none
-        self._stop_deadline: float | None = None  # event-loop time the grace ends
-        # After a stop: the step in progress (or, between steps, the next one) is the last.
-        self._last_step: float = math.inf
-        self._ready_wait: asyncio.Timeout | None = None
+
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal number `request_stop` was called with, once it was."""
+        return self.stop.signal
 
     @property
     def last_metrics(self) -> dict[str, float]:
@@ -121,7 +118,7 @@ class TrainingLoop:
         settings = self.config.trainer
         if checkpoint is not None:
             # The backend restores its sampler (weights and version) itself.
-            state = await RunDirectory.load_checkpoint(checkpoint, self._load_backend)
+            state = await RunDirectory.load_checkpoint(checkpoint, self.session.load_checkpoint)
             self.step = self._saved_step = state.step
             self.groups.restore_state(state, self.train_tasks, settings.batch_size)
         stopping = self.stop_signal is not None
@@ -140,9 +137,9 @@ class TrainingLoop:
             async with self.rollouts.serving(), asyncio.TaskGroup() as tg:
                 dispatcher = tg.create_task(self._dispatch())
                 try:
-                    while not self.finished and self.step < self._last_step:
+                    while not self.finished and self.step < self.stop.last_step:
                         await self._train_step()
-                except _StepAbandoned:
+                except StepAbandoned:
                     pass
                 finally:
                     dispatcher.cancel()
@@ -156,15 +153,8 @@ class TrainingLoop:
         Call it on the event loop running `run` (a signal handler added with
         `loop.add_signal_handler` runs there); a second call changes nothing.
         """
-        if self.stop_signal is not None:
-            return
-        self.stop_signal = signal_number
-        # Its groups may all be dispatched (even ready) already, if the stop came between steps.
-        self._last_step = self.step + 1
-        self._stop_deadline = asyncio.get_running_loop().time() + self.config.trainer.stop_grace_s
-        self.groups.set_wanted(0)
-        if self._ready_wait is not None:
-            self._ready_wait.reschedule(self._stop_deadline)
+        if self.stop.request(signal_number, self.step):
+            self.groups.set_wanted(0)
 
     @property
     def finished(self) -> bool:
@@ -220,7 +210,7 @@ class TrainingLoop:
         wait_s = forward_s = 0.0
         while len(items) < batch:
             started = time.monotonic()
-            items.append(await self._next_ready(batch - len(items)))
+            items.append(await self.stop.next_ready(self.groups, batch - len(items)))
             wait_s += time.monotonic() - started
             self.groups.set_wanted(self._groups_wanted(len(items)))
             self.recorder.ended(await self.groups.write_ended(self.step + 1))
@@ -228,22 +218,6 @@ class TrainingLoop:
                 first = (len(items) - 1) // self._train_every * self._train_every
                 forward_s += await self._forward(items[first:])
         await self._finish_step(items, forward_s=forward_s, wait_s=wait_s)
-
-    async def _next_ready(self, needed: int) -> Item:
-        """The next group to train; after a stop, only within the grace and if `needed` more
-        groups are still alive (no new ones are dispatched)."""
-        if self.stop_signal is not None and self.groups.alive < needed:
-            raise _StepAbandoned
-        wait = self._ready_wait = asyncio.timeout_at(self._stop_deadline)
-        try:
-            async with wait:
-                return await self.groups.next_ready()
-        except TimeoutError:
-            if wait.expired():
-                raise _StepAbandoned from None
-            raise
-        finally:
-            self._ready_wait = None
 
     async def _forward(self, items: list[Item]) -> float:
         """`forward_backward` on `items` in dispatch order, `micro_batch_size` groups a call."""
@@ -332,18 +306,8 @@ class TrainingLoop:
     async def _save(self) -> None:
         await self.recorder.drain(self.step)  # the metrics of every step the checkpoint holds
         state = self.groups.checkpoint_state(self.step, self.run_dir.ledger_lines)
-        await self.run_dir.save_checkpoint(state, self._save_backend)
+        await self.run_dir.save_checkpoint(state, self.session.save_checkpoint)
         self._saved_step = self.step
-
-    async def _save_backend(self, directory: Path) -> None:
-        await self.calls.call(
-            "save_checkpoint", functools.partial(self.backend.save_checkpoint, directory)
-        )
-
-    async def _load_backend(self, directory: Path) -> None:
-        await self.calls.call(
-            "load_checkpoint", functools.partial(self.backend.load_checkpoint, directory)
-        )
 
     def describe(self) -> str:
         """Who is where, for the error of a wait that passed its deadline."""

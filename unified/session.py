@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from unified.backend_calls import BackendCalls
 from unified.config import TrainerConfig
@@ -33,6 +34,18 @@ class BackendSession:
         if loads_checkpoint:
             self.backend.will_load_checkpoint()
         await self.calls.call("setup", functools.partial(self.backend.setup, config))
+
+    async def save_checkpoint(self, directory: Path) -> None:
+        """The backend's state into `directory` (a checkpoint being written)."""
+        await self.calls.call(
+            "save_checkpoint", functools.partial(self.backend.save_checkpoint, directory)
+        )
+
+    async def load_checkpoint(self, directory: Path) -> None:
+        """The backend's state from `directory` (a checkpoint being restored)."""
+        await self.calls.call(
+            "load_checkpoint", functools.partial(self.backend.load_checkpoint, directory)
+        )
 
 
 @asynccontextmanager

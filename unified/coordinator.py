@@ -12,9 +12,9 @@ Over-admission (async mode): while generation has spare capacity, up to `extra` 
 than the deadlines can hold are admitted. That many groups will miss their deadline anyway, so
 `may_take` lets the trainer pass over as many unfinished groups with earlier deadlines, and the
 groups whose deadline has passed when a window opens are `expired`: the buffer gives their tasks
-back to the queue. `extra` adapts between 0 and `max_extra`: one more each time the trainer is
-held by an unfinished group while a newer one is ready (`note_blocked`), one less for each group
-that expired ready, which was generated for nothing (`note_wasted`). With `max_extra=0` (always
+back to the queue. `extra` adapts between 0 and `max_extra`: one more each time the trainer
+waits while a group is still generating and its window has room (`note_blocked`), one less for
+each group that expired ready, which was generated for nothing (`note_wasted`). With `max_extra=0` (always
 in sync mode) no group ever expires.
 
 It also decides when the weights sync (`after_step`): every `sync_every` optimizer steps, in
@@ -149,8 +149,8 @@ class SyncCoordinator:
         return None
 
     def note_blocked(self) -> None:
-        """The trainer waits on an unfinished group with an earlier deadline while a newer group
-        is ready: allow one more group beyond the bound, once the last one allowed went out."""
+        """The trainer waits on groups still generating: allow one more group beyond the bound,
+        once the last one allowed went out."""
         if self.surplus >= self.extra and self.extra < self.max_extra:
             self.extra += 1
 

@@ -292,10 +292,10 @@ class TrajectoryGroupBuffer:
         """The oldest ready group, if the staleness arithmetic lets it train now."""
         # may_take is monotone in the version: if the oldest may not train, no newer one may.
         c = self.coordinator
-        if not self._ready:
-            return None
-        if not c.may_take(self._ready[0][0].version):
-            if c.taken < c.slots_per_window:  # held by an earlier deadline, not a full window
+        if not self._ready or not c.may_take(self._ready[0][0].version):
+            # Held by a group still generating (a due one, or any: nothing is ready), not by a
+            # full window: one more group beyond the bound may help.
+            if c.taken < c.slots_per_window and self._episodes:
                 extra = c.extra
                 c.note_blocked()
                 if c.extra != extra:

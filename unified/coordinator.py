@@ -14,8 +14,8 @@ than the deadlines can hold are admitted. That many groups will miss their deadl
 groups whose deadline has passed when a window opens are `expired`: the buffer gives their tasks
 back to the queue. `extra` adapts between 0 and `max_extra`: one more each time the trainer
 waits while a group is still generating and its window has room (`note_blocked`), one less for
-each group that expired ready, which was generated for nothing (`note_wasted`). With `max_extra=0` (always
-in sync mode) no group ever expires.
+each group that expired ready, which was generated for nothing (`note_wasted`). With
+`max_extra=0` (always in sync mode) no group ever expires.
 
 It also decides when the weights sync (`after_step`): every `sync_every` optimizer steps, in
 both modes. Pure arithmetic: no waiting, no clocks, no tasks. `TrajectoryGroupBuffer` is its one

@@ -444,31 +444,6 @@ class TrajectoryGroupBuffer:
                             "raise trainer.stall_timeout_s if steps are legitimately this slow"
                         ) from None
 
-    def no_signal_message(self, step: int, entropy: float | None) -> str:
-        """Why the run stops when `max_filtered_in_a_row` groups ended filtered or failed after
-        `step` trained steps (`entropy`: the last step's), and what to change."""
-        what = (
-            f"the last {self.unproductive_in_a_row} groups all ended filtered (equal rewards) "
-            f"or failed (last one {self.last_unproductive_reason})"
-        )
-        if 2 * self.failed_in_a_row > self.unproductive_in_a_row:
-            return (
-                f"{what}, most of them failed, after {step} trained steps: the workflow errs or "
-                "times out (episodes/errors, episodes/timeouts and the log say which); fix it, or "
-                "raise trainer.workflow_timeout_s if episodes legitimately take longer"
-            )
-        if step == 0:
-            return (
-                f"{what} before any step trained: the rewards give no learning signal for this "
-                "policy; check the workflow's reward and that the model can solve some tasks"
-            )
-        seen = f" (train/entropy {entropy:.3g} at the last step)" if entropy is not None else ""
-        return (
-            f"{what} after {step} trained steps: the policy has collapsed onto answers that "
-            f"score the same within a group{seen}; resume from an earlier checkpoint with a "
-            "lower trainer.lr, or a larger trainer.entropy_coef or trainer.kl_coef"
-        )
-
     def describe(self) -> str:
         """Who is where, for error messages: versions, groups generating, ready and taken."""
         c = self.coordinator

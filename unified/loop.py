@@ -40,7 +40,7 @@ from unified.recorder import StepRecorder
 from unified.rollout import WorkflowFn, WorkflowSlots
 from unified.schedule import learning_rate
 from unified.session import BackendSession
-from unified.stopping import GracefulStop, StepAbandoned
+from unified.stopping import GracefulStop, StepAbandoned, no_signal_message
 from unified.types import Task, TrajectoryGroup
 
 __all__ = ["TrainingLoop"]
@@ -199,7 +199,7 @@ class TrainingLoop:
         self.groups.add_episode(ticket, episode)
         if self.groups.unproductive_in_a_row >= settings.max_filtered_in_a_row:
             entropy = self.last_metrics.get("train/entropy")
-            raise TrainingStopped(self.groups.no_signal_message(self.step, entropy))
+            raise TrainingStopped(no_signal_message(self.groups, self.step, entropy))
 
     # -- one optimizer step -----------------------------------------------------------------------
 

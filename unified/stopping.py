@@ -3,7 +3,8 @@
 Dispatch stops at once. The step in progress (between steps: the next one, whose groups may all
 be out already) is the last: it trains if its groups are ready within `trainer.stop_grace_s`,
 else it is abandoned without an optimizer step (`StepAbandoned`), and a checkpoint then holds
-every group not trained, to dispatch again.
+every group not trained, to dispatch again. `no_signal_message` says why a run stops by itself
+when no group gives a learning signal any more.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 from unified.groups import GroupTicket, TrajectoryGroupBuffer
 from unified.types import TrajectoryGroup
 
-__all__ = ["GracefulStop", "StepAbandoned"]
+__all__ = ["GracefulStop", "StepAbandoned", "no_signal_message"]
 
 
 class StepAbandoned(Exception):
@@ -64,3 +65,30 @@ class GracefulStop:
             raise
         finally:
             self._ready_wait = None
+
+
+def no_signal_message(groups: TrajectoryGroupBuffer, step: int, entropy: float | None) -> str:
+    """Why the run stops when `trainer.max_filtered_in_a_row` groups of `groups` ended filtered
+    or failed in a row after `step` trained steps (`entropy`: the last step's), and what to
+    change (`TrainingStopped`)."""
+    what = (
+        f"the last {groups.unproductive_in_a_row} groups all ended filtered (equal rewards) "
+        f"or failed (last one {groups.last_unproductive_reason})"
+    )
+    if 2 * groups.failed_in_a_row > groups.unproductive_in_a_row:
+        return (
+            f"{what}, most of them failed, after {step} trained steps: the workflow errs or "
+            "times out (episodes/errors, episodes/timeouts and the log say which); fix it, or "
+            "raise trainer.workflow_timeout_s if episodes legitimately take longer"
+        )
+    if step == 0:
+        return (
+            f"{what} before any step trained: the rewards give no learning signal for this "
+            "policy; check the workflow's reward and that the model can solve some tasks"
+        )
+    seen = f" (train/entropy {entropy:.3g} at the last step)" if entropy is not None else ""
+    return (
+        f"{what} after {step} trained steps: the policy has collapsed onto answers that "
+        f"score the same within a group{seen}; resume from an earlier checkpoint with a "
+        "lower trainer.lr, or a larger trainer.entropy_coef or trainer.kl_coef"
+    )

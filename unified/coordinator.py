@@ -12,12 +12,14 @@ Over-admission (async mode): while generation has spare capacity, up to `extra` 
 than the deadlines can hold are admitted. That many groups will miss their deadline anyway, so
 `may_take` lets the trainer pass over as many unfinished groups with earlier deadlines, and the
 groups whose deadline has passed when a window opens are `expired`: the buffer gives their tasks
-back to the queue. `extra` adapts between 0 and `max_extra`: one more each time the trainer is
-held by an unfinished group while a newer one is ready (`note_blocked`), one less for each group
-that expired ready, which was generated for nothing (`note_wasted`). With `max_extra=0` (always
-in sync mode) no group ever expires.
+back to the queue. `extra` adapts between 0 and `max_extra`: one more each time the trainer
+waits while a group is still generating and its window has room (`note_blocked`), one less for
+each group that expired ready, which was generated for nothing (`note_wasted`). With
+`max_extra=0` (always in sync mode) no group ever expires.
 
-Pure arithmetic: no waiting, no clocks, no tasks. `TrajectoryGroupBuffer` is its one caller.
+It also decides when the weights sync (`after_step`): every `sync_every` optimizer steps, in
+both modes. Pure arithmetic: no waiting, no clocks, no tasks. `TrajectoryGroupBuffer` is its one
+caller.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class SyncCoordinator:
         self.version = 0
         self.max_staleness = max_staleness
         self.steps_per_window = sync_every
+        self.sync_every = sync_every
         self.slots_per_window = sync_every * batch_size
         self.capacity = (1 + max_staleness) * self.slots_per_window
         self.max_extra = max_extra
@@ -60,7 +63,9 @@ class SyncCoordinator:
         """
         trainer, async_ = config.trainer, config.async_
         if config.mode == "sync":
-            return cls(batch_size=trainer.batch_size, sync_every=1, max_staleness=0)
+            coordinator = cls(batch_size=trainer.batch_size, sync_every=1, max_staleness=0)
+            coordinator.sync_every = async_.sync_every
+            return coordinator
         slots = async_.sync_every * trainer.batch_size
         return cls(
             batch_size=trainer.batch_size,
@@ -134,9 +139,18 @@ class SyncCoordinator:
         self.version = version
         self.taken = 0
 
+    def after_step(self, step: int) -> int | None:
+        """Optimizer step `step` is done: the version the weights must sync to now, or None (a
+        window that ends without a sync reopens at the same version here)."""
+        if step % self.sync_every == 0:
+            return self.version + 1
+        if step % self.steps_per_window == 0:
+            self.open_window(self.version)
+        return None
+
     def note_blocked(self) -> None:
-        """The trainer waits on an unfinished group with an earlier deadline while a newer group
-        is ready: allow one more group beyond the bound, once the last one allowed went out."""
+        """The trainer waits on groups still generating: allow one more group beyond the bound,
+        once the last one allowed went out."""
         if self.surplus >= self.extra and self.extra < self.max_extra:
             self.extra += 1
 

@@ -8,12 +8,10 @@ training requests around it untouched.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from unified.backend_calls import BackendCalls
 from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig
 from unified.data import load_eval_tasks
@@ -28,6 +26,7 @@ from unified.rollout import (
     resolve_workflow,
     run_episode,
 )
+from unified.session import backend_session
 from unified.types import Episode, SamplingParams, Task
 
 __all__ = ["episode_tool_calls", "evaluate", "is_correct", "run_eval", "tool_call_metrics"]
@@ -141,19 +140,11 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
     check_capabilities(config, backend)  # after: a checkpoint of another run says more
     # The trainer's deadlines and retries on every backend call: a stuck backend fails the
     # command instead of hanging it.
-    calls = BackendCalls(backend, config.trainer, describe=lambda: "unified eval")
-
-    async def load(directory: Path) -> None:
-        await calls.call("load_checkpoint", functools.partial(backend.load_checkpoint, directory))
-
-    error: BaseException | None = None
-    try:
-        if source is not None:
-            backend.will_load_checkpoint()
-        await calls.call("setup", functools.partial(backend.setup, config))
+    async with backend_session(backend, config, describe="unified eval") as session:
+        await session.setup(config, loads_checkpoint=source is not None)
         version = step = 0
         if source is not None:
-            state = await RunDirectory.load_checkpoint(source, load)
+            state = await RunDirectory.load_checkpoint(source, session.load_checkpoint)
             version, step = state.version, state.step
         metrics = await evaluate(
             workflow,
@@ -166,8 +157,3 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
             slots=WorkflowSlots.for_config(config),
         )
         return {**metrics, "eval/step": float(step)}
-    except BaseException as e:
-        error = e
-        raise
-    finally:
-        await calls.shutdown(error)

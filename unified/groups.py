@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -21,13 +22,16 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from unified.advantages import compute_advantages, max_variance_subset
-from unified.checkpoint import LedgerEntry
+from unified.checkpoint import LedgerEntry, TrainerState
+from unified.config import TrainerConfig
 from unified.coordinator import SyncCoordinator
 from unified.data import TaskSampler
 from unified.errors import StallError
 from unified.types import Episode, Task, TrajectoryGroup
 
 __all__ = ["EndedGroup", "GroupTicket", "Outcome", "TrajectoryGroupBuffer"]
+
+log = logging.getLogger(__name__)
 
 Outcome = Literal["trained", "filtered", "failed", "requeued"]
 
@@ -103,7 +107,42 @@ class TrajectoryGroupBuffer:
         self._idle_since: float | None = time.monotonic()
         self._idle_s = 0.0
 
+    @classmethod
+    def for_config(
+        cls,
+        config: TrainerConfig,
+        tasks: Sequence[Task],
+        ledger: Callable[[list[LedgerEntry]], None],
+    ) -> TrajectoryGroupBuffer:
+        """The buffer of a run: its coordinator, and its task order from `trainer.seed`."""
+        settings = config.trainer
+        return cls(
+            SyncCoordinator.for_config(config),
+            TaskSampler(tasks, seed=settings.seed),
+            ledger,
+            group_size=settings.group_size,
+            advantage=settings.advantage,
+            filter_groups=settings.filter_groups,
+            stall_timeout_s=settings.stall_timeout_s,
+            keep_per_group=settings.keep_per_group,
+        )
+
+    @property
+    def version(self) -> int:
+        """The policy version serving sampling (new groups are stamped with it)."""
+        return self.coordinator.version
+
+    @property
+    def alive(self) -> int:
+        """Groups dispatched and not yet taken for training or ended."""
+        return self.coordinator.alive
+
     # -- admission ------------------------------------------------------------------------------
+
+    def can_admit(self, *, spare: bool) -> bool:
+        """Whether one more group may be dispatched now; `spare`: a whole group would find free
+        workflow slots, so the coordinator may admit beyond the staleness bound."""
+        return self.coordinator.can_admit(spare=spare)
 
     def dispatch(self) -> tuple[GroupTicket, Task]:
         """Admit one group (call only when `coordinator.can_admit()`); return it and its task."""
@@ -131,10 +170,21 @@ class TrajectoryGroupBuffer:
         self.coordinator.wanted = groups
         self._notify()
 
+    def after_step(self, step: int) -> int | None:
+        """Optimizer step `step` is done: the version to sync the weights to now (then call
+        `open_window` with it), or None."""
+        version = self.coordinator.after_step(step)
+        if version is None:
+            self._expire()
+        return version
+
     def open_window(self, version: int) -> None:
         """Weights of `version` serve sampling now; a new window of admission slots opens, and
         groups that can no longer train within `max_staleness` are requeued."""
         self.coordinator.open_window(version)
+        self._expire()
+
+    def _expire(self) -> None:
         expired = self.coordinator.expired
         for ticket, rollouts in [r for r in self._rollouts.values() if expired(r[0].version)]:
             for rollout in rollouts:
@@ -242,10 +292,10 @@ class TrajectoryGroupBuffer:
         """The oldest ready group, if the staleness arithmetic lets it train now."""
         # may_take is monotone in the version: if the oldest may not train, no newer one may.
         c = self.coordinator
-        if not self._ready:
-            return None
-        if not c.may_take(self._ready[0][0].version):
-            if c.taken < c.slots_per_window:  # held by an earlier deadline, not a full window
+        if not self._ready or not c.may_take(self._ready[0][0].version):
+            # Held by a group still generating (a due one, or any: nothing is ready), not by a
+            # full window: one more group beyond the bound may help.
+            if c.taken < c.slots_per_window and self._episodes:
                 extra = c.extra
                 c.note_blocked()
                 if c.extra != extra:
@@ -293,6 +343,45 @@ class TrajectoryGroupBuffer:
         """(task id, sequence number) of the groups to dispatch again on resume, in dispatch
         order: dispatched groups not yet ended, then those still waiting to be dispatched again."""
         return [(task.id, seq) for task, seq in [*self._tasks.values(), *self._redispatch]]
+
+    def checkpoint_state(self, step: int, ledger_lines: int) -> TrainerState:
+        """The trainer's state after `step`, with `ledger_lines` written: this buffer's version,
+        task order and groups in flight."""
+        in_flight = self.in_flight()
+        return TrainerState(
+            step=step,
+            version=self.coordinator.version,
+            next_seq=self.next_seq,
+            sampler=self._sampler.state_dict(),
+            redispatch=[task_id for task_id, _ in in_flight],
+            redispatch_seqs=[seq for _, seq in in_flight],
+            ledger_lines=ledger_lines,
+        )
+
+    def restore_state(self, state: TrainerState, tasks: Sequence[Task], batch_size: int) -> None:
+        """Continue where `state` left off: its task order, version and window, and its groups
+        in flight dispatched first under their old ids (those whose task is still in `tasks`)."""
+        self._sampler.load_state_dict(state.sampler)
+        by_id = {task.id: task for task in tasks}
+        # Checkpoints written before sequence numbers were kept get new ones.
+        seqs: list[int | None] = [*state.redispatch_seqs]
+        seqs += [None] * (len(state.redispatch) - len(seqs))
+        gone = [i for i in state.redispatch if i not in by_id]
+        if gone:  # the dataset changed since the checkpoint: those groups cannot run again
+            log.warning(
+                "resume: %d group(s) in flight at the checkpoint are not dispatched again: "
+                "their tasks are no longer in data.train (first: %r)",
+                len(gone),
+                gone[0],
+            )
+        self.restore(
+            version=state.version,
+            taken=(state.step % self.coordinator.steps_per_window) * batch_size,
+            next_seq=state.next_seq,
+            redispatch=[
+                (by_id[i], seq) for i, seq in zip(state.redispatch, seqs, strict=True) if i in by_id
+            ],
+        )
 
     def restore(
         self,

@@ -15,16 +15,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from unified.backend_calls import BackendCalls
 from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig
 from unified.data import TaskSampler, load_tasks
 from unified.errors import DataError, UsageError
-from unified.metrics import metrics_for
+from unified.metrics import MetricsAggregator, metrics_for
 from unified.model_provider import resolve_model
 from unified.protocol import BackendProtocol, RolloutEngine, check_capabilities, create_backend
 from unified.rollout import SamplingEngine
 from unified.schedule import learning_rate
+from unified.session import BackendSession, backend_session
 from unified.types import Episode, ModelOutput, Step, Task, Trajectory, TrajectoryGroup
 
 __all__ = ["example_group", "run_sft"]
@@ -100,35 +100,38 @@ async def _fine_tune(
     config: TrainerConfig, backend: BackendProtocol, sampler: TaskSampler, output: Path
 ) -> Path:
     metrics = await asyncio.to_thread(metrics_for, config)
-    calls = BackendCalls(backend, config.trainer, describe=lambda: "unified sft")
-    error: BaseException | None = None
     try:
-        await calls.call("setup", functools.partial(backend.setup, config))
-        engine = SamplingEngine(backend.token_sampler())
-        for step in range(config.trainer.total_steps):
-            started = time.monotonic()
-            groups = [
-                example_group(engine, task) for task in sampler.take(config.trainer.batch_size)
-            ]
-            metrics.record_many(
-                await calls.metrics(
-                    "forward_backward", functools.partial(backend.forward_backward, groups)
-                )
-            )
-            backend.set_learning_rate(learning_rate(config.trainer, step))
-            metrics.record_many(await calls.metrics("optim_step", backend.optim_step))
-            values = metrics.flush() | {
-                "step": float(step + 1),
-                "time/step": time.monotonic() - started,
-            }
-            await asyncio.to_thread(metrics.log, step + 1, values)
-        await calls.call("export_model", functools.partial(backend.export_model, output))
-    except BaseException as e:
-        error = e
-        raise
+        async with backend_session(backend, config, describe="unified sft") as session:
+            await _train(config, session, sampler, output, metrics)
     finally:
-        try:
-            await calls.shutdown(error)
-        finally:
-            await asyncio.to_thread(metrics.close)
+        await asyncio.to_thread(metrics.close)
     return output
+
+
+async def _train(
+    config: TrainerConfig,
+    session: BackendSession,
+    sampler: TaskSampler,
+    output: Path,
+    metrics: MetricsAggregator,
+) -> None:
+    """`total_steps` cross-entropy steps, each line logged, then the export."""
+    backend, calls = session.backend, session.calls
+    await session.setup(config)
+    engine = SamplingEngine(backend.token_sampler())
+    for step in range(config.trainer.total_steps):
+        started = time.monotonic()
+        groups = [example_group(engine, task) for task in sampler.take(config.trainer.batch_size)]
+        metrics.record_many(
+            await calls.metrics(
+                "forward_backward", functools.partial(backend.forward_backward, groups)
+            )
+        )
+        backend.set_learning_rate(learning_rate(config.trainer, step))
+        metrics.record_many(await calls.metrics("optim_step", backend.optim_step))
+        values = metrics.flush() | {
+            "step": float(step + 1),
+            "time/step": time.monotonic() - started,
+        }
+        await asyncio.to_thread(metrics.log, step + 1, values)
+    await calls.call("export_model", functools.partial(backend.export_model, output))

@@ -11,7 +11,6 @@ signal exits the process at once.
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import shutil
 import signal
@@ -23,7 +22,6 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from unified.backend_calls import BackendCalls
 from unified.checkpoint import RunDirectory, TrainerState
 from unified.config import TrainerConfig, check_rl_groups, load_config
 from unified.data import TaskSampler, check_fields, load_eval_tasks, load_tasks
@@ -33,6 +31,7 @@ from unified.metrics import metrics_for
 from unified.model_provider import model_provider, resolve_model
 from unified.protocol import BackendProtocol, check_capabilities, create_backend
 from unified.rollout import WorkflowFn, required_fields, resolve_workflow
+from unified.session import BackendSession, backend_session
 from unified.threads import DaemonExecutor
 from unified.types import Task
 
@@ -129,57 +128,39 @@ class UnifiedTrainer:
         """
         loop: TrainingLoop | None = None
         error: BaseException | None = None
-        calls = BackendCalls(self.backend, self.config.trainer)
         try:
-            self.config = await asyncio.to_thread(resolve_model, self.config)
-            checkpoint = await asyncio.to_thread(
-                self.run.create,
-                self.config.to_yaml(),
-                resume=self.config.resume,
-                check_state=self._same_task_order,
-            )
-            metrics = await asyncio.to_thread(metrics_for, self.config, self.run.resumed_step)
-            try:
-                loop = TrainingLoop(
-                    self.config,
-                    self.workflow,
-                    self.backend,
-                    train_tasks=self.train_tasks,
-                    eval_tasks=self.eval_tasks,
-                    run=self.run,
-                    metrics=metrics,
+            describe = "before training: no group dispatched yet"
+            async with backend_session(self.backend, self.config, describe=describe) as s:
+                self.config = await asyncio.to_thread(resolve_model, self.config)
+                checkpoint = await asyncio.to_thread(
+                    self.run.create,
+                    self.config.to_yaml(),
+                    resume=self.config.resume,
+                    check_state=self._same_task_order,
                 )
-            except BaseException:
-                await asyncio.to_thread(metrics.close)  # the loop would have closed its sinks
-                raise
-            self._loop = loop
-            if self._stop_signal is not None:
-                loop.request_stop(self._stop_signal)
-            calls = loop.calls
-            if checkpoint is not None:
-                self.backend.will_load_checkpoint()
-            await calls.call("setup", functools.partial(self.backend.setup, self.config))
-            await loop.start(checkpoint)
-            await loop.run()
-            if loop.stop_signal is not None and not loop.finished:
-                error = await asyncio.to_thread(_interrupted, loop, self.run)
+                loop = self._loop = await self._new_loop(s)
+                if self._stop_signal is not None:
+                    loop.request_stop(self._stop_signal)
+                try:
+                    await s.setup(self.config, loads_checkpoint=checkpoint is not None)
+                    await loop.start(checkpoint)
+                    await loop.run()
+                finally:
+                    self._loop = None
+                    self._shutting_down = True
+                if loop.stop_signal is not None and not loop.finished:
+                    raise await asyncio.to_thread(_interrupted, loop, self.run)
         except BaseExceptionGroup as group:
             error = first_cause(group)
         except BaseException as e:
             error = e
         finally:
-            self._loop = None
             self._shutting_down = True
-        try:
-            await calls.shutdown(error)
-        except Exception as e:
-            error = _also(error, e, "the backend's shutdown")
-        finally:  # whatever the shutdown did, a cancel included: metrics written, sinks closed
-            if loop is not None:
-                try:
-                    await loop.close()
-                except Exception as e:
-                    error = _also(error, e, "closing the metrics")
+        if loop is not None:  # after the backend's shutdown, whatever it did: metrics all out
+            try:
+                await loop.close()
+            except Exception as e:
+                error = _also(error, e, "closing the metrics")
         if error is not None:
             if self.run.created and (loop is None or loop.step == 0):
                 # Bad input, a stop or a failure before the first step: a run that trained
@@ -188,6 +169,25 @@ class UnifiedTrainer:
             raise error
         assert loop is not None
         return TrainResult(steps=loop.step, metrics=loop.last_metrics, run_dir=self.run.path)
+
+    async def _new_loop(self, session: BackendSession) -> TrainingLoop:
+        """The run's loop, writing to the metrics sinks of the config (closed if it fails)."""
+        metrics = await asyncio.to_thread(metrics_for, self.config, self.run.resumed_step)
+        try:
+            loop = TrainingLoop(
+                self.config,
+                self.workflow,
+                session,
+                train_tasks=self.train_tasks,
+                eval_tasks=self.eval_tasks,
+                run=self.run,
+                metrics=metrics,
+            )
+        except BaseException:
+            await asyncio.to_thread(metrics.close)  # the loop would have closed its sinks
+            raise
+        session.describe = loop.describe
+        return loop
 
 
 def _also(error: BaseException | None, failure: Exception, what: str) -> BaseException:

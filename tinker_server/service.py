@@ -31,6 +31,7 @@ from torchkit.builtin import is_builtin, load_policy
 __all__ = ["LocalTinker"]
 
 _KINDS = ("weights", "sampler_weights")
+_SAVE_TYPE = {"weights": "save_weights", "sampler_weights": "save_weights_for_sampler"}
 FINISHED_KEPT = 1024
 
 
@@ -135,7 +136,7 @@ class LocalTinker:
         model_id = f"{request['session_id']}:train:{request['model_seq_id']}"
         training = await asyncio.to_thread(TrainingModel, self.base, spec)
         self.models[model_id] = _Model(training=training, base_model=base_model)
-        return json_outcome({"model_id": model_id})
+        return json_outcome({"model_id": model_id, "type": "create_model"})
 
     def get_info(self, model_id: str) -> dict[str, Any]:
         """Model name, tokenizer directory and LoRA rank of a training model."""
@@ -208,7 +209,8 @@ class LocalTinker:
                 base_model=model.base_model,
                 optimizer=kind == "weights",
             )
-        return json_outcome({"path": uri, "type": f"save_{kind}"})
+        # The SDK's response types name the call, not the kind of saved state.
+        return json_outcome({"path": uri, "type": _SAVE_TYPE[kind]})
 
     async def snapshot_for_sampler(self, request: dict[str, Any]) -> Outcome:
         """The ephemeral save of `save_weights_and_get_sampling_client`: a new sampling session."""
@@ -218,7 +220,7 @@ class LocalTinker:
         session_id = self._new_sampling_session_id()
         owner = request["model_id"]
         await asyncio.to_thread(self.pool.add_snapshot, session_id, weights, owner)
-        return json_outcome({"sampling_session_id": session_id})
+        return json_outcome({"sampling_session_id": session_id, "type": "save_weights_for_sampler"})
 
     async def load_weights(self, request: dict[str, Any]) -> Outcome:
         """A training model restored from saved state (with its optimizer state if asked)."""
@@ -237,7 +239,7 @@ class LocalTinker:
 
         training = await asyncio.to_thread(build)
         self.models[model_id] = _Model(training=training, base_model=base_model)
-        return json_outcome({"path": request["path"], "model_id": model_id})
+        return json_outcome({"path": request["path"], "model_id": model_id, "type": "load_weights"})
 
     # -- sampling -----------------------------------------------------------------------------
 

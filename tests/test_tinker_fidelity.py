@@ -1,0 +1,295 @@
+"""Every answer of the local Tinker server validates against the pinned SDK's own response types.
+
+The server is driven through the real `tinker` SDK (0.38.0) and every HTTP answer it gives is
+recorded on the server's side, then checked with the SDK's pydantic models: JSON answers with
+`model_validate`, protobuf results with the SDK's own `deserialize_proto_response`, and each
+`retrieve_future` result with the type its request kind resolves to in the SDK. A `type`
+discriminator the SDK does not accept (`"save_sampler_weights"`) fails here, not in a user's run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pydantic
+import pytest
+import tinker
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from tinker import types
+from tinker.proto.response_conv import PROTO_SUPPORTED_TYPES, deserialize_proto_response
+
+from tinker_server.server import LocalServer
+
+DEADLINE_S = 60
+PROMPT = [5, 6, 7, 8, 9]
+BASE = "builtin:tiny"
+
+
+@dataclass
+class Exchange:
+    """One request the server answered: what was asked and what it said."""
+
+    method: str
+    path: str
+    request: bytes
+    status: int = 0
+    media_type: str = ""
+    body: bytes = b""
+
+
+class Recorder:
+    """ASGI middleware keeping every exchange (test only)."""
+
+    def __init__(self, app: ASGIApp, *, log: list[Exchange]) -> None:
+        self.app = app
+        self.log = log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        exchange = Exchange(scope["method"], scope["path"], b"")
+
+        async def receiving() -> Message:
+            message = await receive()
+            exchange.request += message.get("body", b"")
+            return message
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                exchange.status = message["status"]
+                headers = dict(message.get("headers", []))
+                exchange.media_type = headers.get(b"content-type", b"").decode()
+            elif message["type"] == "http.response.body":
+                exchange.body += message.get("body", b"")
+            await send(message)
+
+        await self.app(scope, receiving, sending)
+        self.log.append(exchange)
+
+
+EMPTY = None
+"""An answer the SDK reads as `None` (finish, delete, publish ...): any 2xx, body unread."""
+
+ROUTES: list[tuple[str, str, Any]] = [
+    ("POST", r"/api/v1/client/config", types.ClientConfigResponse),
+    ("POST", r"/api/v1/client/dynamic_config", types.ClientDynamicConfigResponse),
+    ("GET", r"/api/v1/healthz", types.HealthResponse),
+    ("GET", r"/api/v1/get_server_capabilities", types.GetServerCapabilitiesResponse),
+    ("POST", r"/api/v1/create_session", types.CreateSessionResponse),
+    ("POST", r"/api/v1/session_heartbeat", types.SessionHeartbeatResponse),
+    ("POST", r"/api/v1/telemetry", types.TelemetryResponse),
+    ("POST", r"/api/v1/sessions/[^/]+/finish", EMPTY),
+    ("POST", r"/api/v1/get_info", types.GetInfoResponse),
+    ("POST", r"/api/v1/create_sampling_session", types.CreateSamplingSessionResponse),
+    ("GET", r"/api/v1/samplers/[^/]+", types.GetSamplerResponse),
+    ("POST", r"/api/v1/asample", types.UntypedAPIFuture),
+    *[
+        ("POST", f"/api/v1/{kind}", types.UntypedAPIFuture)
+        for kind in (
+            "create_model",
+            "forward_backward",
+            "optim_step",
+            "save_weights",
+            "save_weights_for_sampler",
+            "save_weights_external",
+            "load_weights",
+        )
+    ],
+    ("POST", r"/api/v1/retrieve_future", "future"),
+]
+"""Each endpoint the pinned SDK calls, and the SDK type it reads the answer as."""
+
+FUTURE_RESULT: dict[str, Any] = {
+    "create_model": types.CreateModelResponse,
+    "forward_backward": types.ForwardBackwardOutput,
+    "optim_step": types.OptimStepResponse,
+    "save_weights": types.SaveWeightsResponse,
+    "save_weights_for_sampler": types.SaveWeightsForSamplerResponseInternal,
+    "save_weights_external": types.SaveWeightsExternalResponseInternal,
+    "load_weights": types.LoadWeightsResponse,
+    "asample": types.SampleResponse,
+}
+"""What a future of each request kind resolves to, as the SDK's `_APIFuture(model_cls, ...)`."""
+
+
+def response_type(method: str, path: str) -> Any:
+    for route_method, pattern, model in ROUTES:
+        if route_method == method and re.fullmatch(pattern, path):
+            return model
+    raise AssertionError(f"{method} {path}: not an endpoint the pinned SDK calls")
+
+
+def check_exchange(exchange: Exchange) -> Any:
+    """The answer parsed by the SDK's own type; raises if the SDK would reject it."""
+    where = f"{exchange.method} {exchange.path}"
+    assert 200 <= exchange.status < 300, f"{where} answered {exchange.status}: {exchange.body!r}"
+    model = response_type(exchange.method, exchange.path)
+    if model is EMPTY:
+        return None
+    if model != "future":
+        return model.model_validate(json.loads(exchange.body))
+    request_id = str(json.loads(exchange.request)["request_id"])
+    if exchange.media_type.startswith("application/json"):
+        answer = json.loads(exchange.body)
+        if answer.get("type") == "try_again":
+            return types.TryAgainResponse.model_validate(answer)
+        if "error" in answer:
+            return types.RequestFailedResponse.model_validate(answer)
+    kind = request_id.rsplit("-", 1)[0]
+    result = FUTURE_RESULT[kind]
+    if result in PROTO_SUPPORTED_TYPES:
+        assert exchange.media_type == "application/x-protobuf", f"{where} {kind}: not protobuf"
+        return deserialize_proto_response(exchange.body, result)
+    return result.model_validate(json.loads(exchange.body))
+
+
+@pytest.fixture
+def recorded(tmp_path: Path) -> Iterator[tuple[LocalServer, list[Exchange]]]:
+    """A local server whose every answer is recorded."""
+    log: list[Exchange] = []
+    served = LocalServer(BASE, store=tmp_path / "store")
+    served.app.add_middleware(Recorder, log=log)
+    served.start(timeout_s=DEADLINE_S)
+    yield served, log
+    served.stop()
+
+
+def sample(client: tinker.SamplingClient, n: int = 2) -> tinker.SampleResponse:
+    params = tinker.SamplingParams(max_tokens=4, temperature=1.0, seed=0)
+    prompt = tinker.ModelInput.from_ints(PROMPT)
+    future = client.sample(prompt, num_samples=n, sampling_params=params)
+    return future.result(DEADLINE_S)
+
+
+def sft_datum() -> tinker.Datum:
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(PROMPT[:-1]),
+        loss_fn_inputs={"target_tokens": PROMPT[1:], "weights": [1.0] * 4},
+    )
+
+
+def connect(server: LocalServer) -> tuple[tinker.ServiceClient, tinker.TrainingClient]:
+    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    return service, service.create_lora_training_client(BASE, rank=4).result(DEADLINE_S)
+
+
+def check_all(log: list[Exchange]) -> dict[str, list[Any]]:
+    """Every recorded answer checked; the parsed answers by endpoint (future kind for futures)."""
+    parsed: dict[str, list[Any]] = {}
+    for exchange in log:
+        answer = check_exchange(exchange)
+        key = exchange.path
+        if exchange.path == "/api/v1/retrieve_future":
+            key = "future:" + str(json.loads(exchange.request)["request_id"]).rsplit("-", 1)[0]
+        parsed.setdefault(re.sub(r"/(local|sampler)-[^/]+", "/{id}", key), []).append(answer)
+    return parsed
+
+
+def test_save_weights_for_sampler_answers_the_type_the_sdk_accepts(
+    recorded: tuple[LocalServer, list[Exchange]],
+) -> None:
+    """The cookbook's checkpoint call: named sampler weights, then a sampler on them."""
+    service, tc = connect(recorded[0])
+    saved = tc.save_weights_for_sampler("step-1").result(DEADLINE_S)
+    assert isinstance(saved, types.SaveWeightsForSamplerResponse)
+    assert saved.path.endswith("/sampler_weights/step-1"), saved.path
+    sampler = service.create_sampling_client(model_path=saved.path).result(DEADLINE_S)
+    assert len(sample(sampler).sequences) == 2
+    service.close("success").result(DEADLINE_S)
+    parsed = check_all(recorded[1])
+    (answer,) = parsed["future:save_weights_for_sampler"]
+    assert answer.type == "save_weights_for_sampler" and answer.path == saved.path
+
+
+def test_every_answer_of_the_sdk_flow_validates_against_the_sdks_types(
+    recorded: tuple[LocalServer, list[Exchange]],
+) -> None:
+    """Every ServiceClient, TrainingClient and SamplingClient call the server serves, once."""
+    server, log = recorded
+    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    rest = tinker.RestClient(base_url=server.base_url, api_key="tml-test")
+
+    # The SDK's `health_check` resource has no public caller; a probe reaches it directly.
+    assert httpx.get(f"{server.base_url}/api/v1/healthz", timeout=DEADLINE_S).is_success
+    capabilities = rest.get_server_capabilities().result(DEADLINE_S)
+    assert [m.model_name for m in capabilities.supported_models] == [BASE]
+    tc = service.create_lora_training_client(BASE, rank=4).result(DEADLINE_S)
+    info = tc.get_info()
+    assert info.model_data.model_name == BASE and info.lora_rank == 4 and info.is_lora
+    assert tc.get_tokenizer().encode("a b") != []
+
+    forward = tc.forward([sft_datum()], "cross_entropy").result(DEADLINE_S)
+    assert forward.loss_fn_outputs[0]["logprobs"].to_numpy().shape == (4,)
+    backward = tc.forward_backward([sft_datum()], "cross_entropy").result(DEADLINE_S)
+    assert backward.metrics["loss:sum"] > 0
+    step = tc.optim_step(tinker.AdamParams(learning_rate=1e-3)).result(DEADLINE_S)
+    assert step.metrics is not None and step.metrics["grad_norm"] > 0
+
+    state = tc.save_state("state-1").result(DEADLINE_S)
+    assert state.path.endswith("/weights/state-1")
+    for_sampler = tc.save_weights_for_sampler("sampler-1").result(DEADLINE_S)
+    assert for_sampler.path.endswith("/sampler_weights/sampler-1")
+
+    snapshot = tc.save_weights_and_get_sampling_client().result(DEADLINE_S)
+    response = sample(snapshot)
+    assert [len(s.tokens) for s in response.sequences] == [4, 4]
+    logprobs = snapshot.compute_logprobs(tinker.ModelInput.from_ints(PROMPT)).result(DEADLINE_S)
+    assert logprobs[0] is None and len(logprobs) == len(PROMPT)
+    from_training = tc.create_sampling_client(for_sampler.path).result(DEADLINE_S)
+    assert len(sample(from_training, n=1).sequences) == 1
+    base_sampler = service.create_sampling_client(base_model=BASE).result(DEADLINE_S)
+    assert base_sampler.get_base_model() == BASE
+    sampler_info = rest.get_sampler(base_sampler.get_sampler_handle()).result(DEADLINE_S)
+    assert sampler_info.base_model == BASE
+
+    weights_only = service.create_training_client_from_state(state.path).result(DEADLINE_S)
+    assert weights_only.get_info().lora_rank == 4
+    resumed = service.create_training_client_from_state_with_optimizer(state.path)
+    assert resumed.result(DEADLINE_S).get_info().lora_rank == 4
+    service.close("success").result(DEADLINE_S)
+
+    parsed = check_all(log)
+    reached = set(parsed)
+    for kind in FUTURE_RESULT:
+        if kind != "save_weights_external":
+            assert f"future:{kind}" in reached, f"the walk never retrieved a {kind} result"
+    for _, pattern, _ in ROUTES:
+        if any(skip in pattern for skip in ("telemetry", "heartbeat", "external", "retrieve")):
+            continue  # timing-dependent, tested apart, or checked by kind above
+        concrete = pattern.replace("[^/]+", "{id}")
+        assert concrete in reached, f"the walk never reached {concrete}"
+
+
+def test_a_refused_request_is_an_error_future_the_sdk_parses(
+    recorded: tuple[LocalServer, list[Exchange]],
+) -> None:
+    service, tc = connect(recorded[0])
+    with pytest.raises(tinker.RequestFailedError, match="takes loss_fn_inputs"):
+        tc.forward_backward([sft_datum()], "importance_sampling").result(DEADLINE_S)
+    service.close("success").result(DEADLINE_S)
+    failed = [a for a in check_all(recorded[1])["future:forward_backward"]]
+    assert isinstance(failed[-1], types.RequestFailedResponse) and failed[-1].category == "user"
+
+
+def test_the_route_table_is_checked_strictly() -> None:
+    """A `type` the SDK does not accept is a validation error (the bug this file guards)."""
+    wrong = Exchange(
+        "POST",
+        "/api/v1/retrieve_future",
+        json.dumps({"request_id": "save_weights_for_sampler-1"}).encode(),
+        200,
+        "application/json",
+        json.dumps(
+            {"path": "tinker://r/sampler_weights/x", "type": "save_sampler_weights"}
+        ).encode(),
+    )
+    with pytest.raises(pydantic.ValidationError, match="save_weights_for_sampler"):
+        check_exchange(wrong)
+    with pytest.raises(AssertionError, match="not an endpoint"):
+        response_type("GET", "/api/v1/nowhere")

@@ -20,11 +20,13 @@ import httpx
 import pydantic
 import pytest
 import tinker
+import torch
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tinker import types
 from tinker.proto.response_conv import PROTO_SUPPORTED_TYPES, deserialize_proto_response
 
 from tinker_server.server import LocalServer
+from torchkit.builtin import load_policy
 
 DEADLINE_S = 60
 PROMPT = [5, 6, 7, 8, 9]
@@ -103,7 +105,26 @@ ROUTES: list[tuple[str, str, Any]] = [
     ],
     ("POST", r"/api/v1/retrieve_future", "future"),
 ]
-"""Each endpoint the pinned SDK calls, and the SDK type it reads the answer as."""
+"""Each endpoint of the SDK's training and sampling flow, and the SDK type it reads it as."""
+
+REST_ROUTES: list[tuple[str, str, Any]] = [
+    ("GET", r"/api/v1/training_runs", types.TrainingRunsResponse),
+    ("GET", r"/api/v1/training_runs/[^/]+", types.TrainingRun),
+    ("GET", r"/api/v1/training_runs/[^/]+/checkpoints", types.CheckpointsListResponse),
+    ("GET", r"/api/v1/checkpoints", types.CheckpointsListResponse),
+    ("DELETE", r"/api/v1/training_runs/[^/]+/checkpoints/[^/]+/[^/]+", EMPTY),
+    ("POST", r"/api/v1/training_runs/[^/]+/checkpoints/[^/]+/[^/]+/publish", EMPTY),
+    ("DELETE", r"/api/v1/training_runs/[^/]+/checkpoints/[^/]+/[^/]+/publish", EMPTY),
+    ("PUT", r"/api/v1/training_runs/[^/]+/checkpoints/[^/]+/[^/]+/ttl", EMPTY),
+    ("POST", r"/api/v1/weights_info", types.WeightsInfoResponse),
+    (
+        "GET",
+        r"/api/v1/training_runs/[^/]+/checkpoints/external_weights/[^/]+/external_weights_urls",
+        types.ExternalWeightsUrlsResponse,
+    ),
+    ("GET", r"/api/v1/external_files/.+", EMPTY),  # the files those URLs name
+]
+"""The `RestClient` endpoints, and the SDK type each answer is read as."""
 
 FUTURE_RESULT: dict[str, Any] = {
     "create_model": types.CreateModelResponse,
@@ -119,7 +140,7 @@ FUTURE_RESULT: dict[str, Any] = {
 
 
 def response_type(method: str, path: str) -> Any:
-    for route_method, pattern, model in ROUTES:
+    for route_method, pattern, model in ROUTES + REST_ROUTES:
         if route_method == method and re.fullmatch(pattern, path):
             return model
     raise AssertionError(f"{method} {path}: not an endpoint the pinned SDK calls")
@@ -128,6 +149,8 @@ def response_type(method: str, path: str) -> Any:
 def check_exchange(exchange: Exchange) -> Any:
     """The answer parsed by the SDK's own type; raises if the SDK would reject it."""
     where = f"{exchange.method} {exchange.path}"
+    if exchange.status in (400, 403, 404) and not exchange.path.endswith("retrieve_future"):
+        return {"refused": json.loads(exchange.body)["detail"]}  # one line, asserted by tests
     assert 200 <= exchange.status < 300, f"{where} answered {exchange.status}: {exchange.body!r}"
     model = response_type(exchange.method, exchange.path)
     if model is EMPTY:
@@ -187,7 +210,7 @@ def check_all(log: list[Exchange]) -> dict[str, list[Any]]:
         key = exchange.path
         if exchange.path == "/api/v1/retrieve_future":
             key = "future:" + str(json.loads(exchange.request)["request_id"]).rsplit("-", 1)[0]
-        parsed.setdefault(re.sub(r"/(local|sampler)-[^/]+", "/{id}", key), []).append(answer)
+        parsed.setdefault(key, []).append(answer)
     return parsed
 
 
@@ -259,11 +282,13 @@ def test_every_answer_of_the_sdk_flow_validates_against_the_sdks_types(
     for kind in FUTURE_RESULT:
         if kind != "save_weights_external":
             assert f"future:{kind}" in reached, f"the walk never retrieved a {kind} result"
-    for _, pattern, _ in ROUTES:
-        if any(skip in pattern for skip in ("telemetry", "heartbeat", "external", "retrieve")):
-            continue  # timing-dependent, tested apart, or checked by kind above
-        concrete = pattern.replace("[^/]+", "{id}")
-        assert concrete in reached, f"the walk never reached {concrete}"
+    skipped = ("telemetry", "heartbeat", "external", "retrieve")
+    assert_reached(parsed, [p for _, p, _ in ROUTES if not any(s in p for s in skipped)])
+
+
+def assert_reached(parsed: dict[str, list[Any]], patterns: list[str]) -> None:
+    for pattern in patterns:
+        assert any(re.fullmatch(pattern, path) for path in parsed), f"never reached {pattern}"
 
 
 def test_a_refused_request_is_an_error_future_the_sdk_parses(
@@ -293,3 +318,142 @@ def test_the_route_table_is_checked_strictly() -> None:
         check_exchange(wrong)
     with pytest.raises(AssertionError, match="not an endpoint"):
         response_type("GET", "/api/v1/nowhere")
+
+
+# -- the REST surface --------------------------------------------------------------------------
+
+
+def rest_client(server: LocalServer) -> tinker.RestClient:
+    return tinker.RestClient(base_url=server.base_url, api_key="tml-test")
+
+
+def test_training_runs_and_checkpoints_through_the_rest_client(
+    recorded: tuple[LocalServer, list[Exchange]],
+) -> None:
+    """What the cookbook's resume, checkpoint loading and rolling checkpoints call."""
+    server, log = recorded
+    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test")
+    metadata = {"renderer_name": "role_colon"}
+    tc = service.create_lora_training_client(BASE, rank=4, user_metadata=metadata)
+    tc = tc.result(DEADLINE_S)
+    run = tc.model_id
+    state = tc.save_state("s1", user_metadata={"step": "1"}).result(DEADLINE_S).path
+    sampler = tc.save_weights_for_sampler("p1", ttl_seconds=3600).result(DEADLINE_S).path
+    rest = rest_client(server)
+
+    got = rest.get_training_run(run).result(DEADLINE_S)
+    assert (got.training_run_id, got.base_model, got.lora_rank) == (run, BASE, 4)
+    assert got.is_lora and got.user_metadata == metadata
+    assert got.last_checkpoint is not None and got.last_checkpoint.tinker_path == state
+    assert got.last_sampler_checkpoint is not None
+    assert got.last_sampler_checkpoint.tinker_path == sampler
+    assert rest.get_training_run_by_tinker_path(state).result(DEADLINE_S).training_run_id == run
+    runs = rest.list_training_runs(limit=5).result(DEADLINE_S)
+    assert [r.training_run_id for r in runs.training_runs] == [run]
+    assert runs.cursor.total_count == 1
+
+    listed = {c.checkpoint_id: c for c in rest.list_checkpoints(run).result(DEADLINE_S).checkpoints}
+    assert set(listed) == {"weights/s1", "sampler_weights/p1"}
+    assert listed["weights/s1"].user_metadata == {"step": "1"}
+    assert (
+        listed["weights/s1"].expires_at is None
+        and listed["weights/s1"].checkpoint_type == "training"
+    )
+    assert listed["sampler_weights/p1"].expires_at is not None
+    assert all(c.size_bytes for c in listed.values())
+    mine = rest.list_user_checkpoints(limit=1).result(DEADLINE_S)
+    assert len(mine.checkpoints) == 1 and mine.cursor is not None and mine.cursor.total_count == 2
+
+    info = rest.get_weights_info_by_tinker_path(state).result(DEADLINE_S)
+    assert (info.base_model, info.lora_rank, info.is_lora) == (BASE, 4, True)
+
+    rest.publish_checkpoint_from_tinker_path(state).result(DEADLINE_S)
+    assert rest.list_checkpoints(run).result(DEADLINE_S).checkpoints[-1].public
+    rest.unpublish_checkpoint_from_tinker_path(state).result(DEADLINE_S)
+    rest.set_checkpoint_ttl_from_tinker_path(sampler, None).result(DEADLINE_S)
+    for checkpoint in rest.list_checkpoints(run).result(DEADLINE_S).checkpoints:
+        assert not checkpoint.public and checkpoint.expires_at is None
+
+    rest.delete_checkpoint_from_tinker_path(sampler).result(DEADLINE_S)
+    left = rest.list_checkpoints(run).result(DEADLINE_S).checkpoints
+    assert [c.tinker_path for c in left] == [state]
+    with pytest.raises(tinker.NotFoundError, match="no checkpoint"):
+        rest.delete_checkpoint_from_tinker_path(sampler).result(DEADLINE_S)
+    with pytest.raises(tinker.NotFoundError, match="no training run"):
+        rest.get_training_run("nobody:train:0").result(DEADLINE_S)
+    service.close("success").result(DEADLINE_S)
+    parsed = check_all(log)
+    assert_reached(parsed, [p for _, p, _ in REST_ROUTES if "external" not in p])
+
+
+def test_a_checkpoint_past_its_ttl_disappears(
+    recorded: tuple[LocalServer, list[Exchange]],
+) -> None:
+    server, log = recorded
+    now = [1_000_000.0]
+    server.service.catalog.clock = lambda: now[0]
+    service, tc = connect(server)
+    rolling = tc.save_state("rolling", ttl_seconds=3600).result(DEADLINE_S).path
+    kept = tc.save_state("kept").result(DEADLINE_S).path
+    rest = rest_client(server)
+    assert len(rest.list_checkpoints(tc.model_id).result(DEADLINE_S).checkpoints) == 2
+    now[0] += 3601
+    listed = rest.list_checkpoints(tc.model_id).result(DEADLINE_S).checkpoints
+    assert [c.tinker_path for c in listed] == [kept]
+    assert not (server.service.store / tc.model_id / "weights" / "rolling").exists()
+    with pytest.raises(tinker.RequestFailedError, match="no saved state"):
+        service.create_training_client_from_state(rolling).result(DEADLINE_S)
+    service.close("success").result(DEADLINE_S)
+    check_all(log)
+
+
+def test_exported_weights_download_without_a_key_and_load_into_the_local_backend(
+    recorded: tuple[LocalServer, list[Exchange]], tmp_path: Path
+) -> None:
+    server, log = recorded
+    service, tc = connect(server)
+    tc.forward_backward([sft_datum()], "cross_entropy").result(DEADLINE_S)
+    tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result(DEADLINE_S)
+    exported = tc.save_weights_external("hf").result(DEADLINE_S)
+    assert exported.path == f"tinker://{tc.model_id}/external_weights/hf"
+    rest = rest_client(server)
+    urls = rest.get_external_weights_urls(exported.path).result(DEADLINE_S).urls
+    assert "config.json" in urls and "model.safetensors" in urls, sorted(urls)
+    target = tmp_path / "downloaded"
+    for relative, url in urls.items():
+        answer = httpx.get(url, timeout=DEADLINE_S)  # no API key: the signed URL is enough
+        assert answer.is_success, (relative, answer.text)
+        (target / relative).parent.mkdir(parents=True, exist_ok=True)
+        (target / relative).write_bytes(answer.content)
+    tampered = httpx.get(urls["config.json"].replace("sig=", "sig=0"), timeout=DEADLINE_S)
+    assert tampered.status_code == 403, tampered.text
+
+    model, _ = load_policy(str(target))
+    datum = sft_datum()
+    ids = torch.tensor([datum.model_input.to_ints()])
+    with torch.no_grad():
+        logp = model(ids).logits.log_softmax(-1)[0]
+    mine = logp[torch.arange(4), torch.tensor(PROMPT[1:])].numpy()
+    trainer = tc.forward([datum], "cross_entropy").result(DEADLINE_S)
+    theirs = trainer.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert abs(mine - theirs).max() <= 1e-5, (mine, theirs)
+    service.close("success").result(DEADLINE_S)
+    parsed = check_all(log)
+    assert_reached(parsed, [p for _, p, _ in REST_ROUTES if "external" in p])
+    assert_reached(parsed, ["future:save_weights_external"])
+
+
+@pytest.mark.parametrize(
+    ("call", "reason"),
+    [
+        (lambda rest: rest.copy_weights("tinker://r/weights/x", "proj"), "projects are not"),
+        (lambda rest: rest.get_session("local-x"), "session lookup is not served"),
+        (lambda rest: rest.list_sessions(), "session listing is not served"),
+    ],
+)
+def test_calls_out_of_scope_are_refused_in_one_line(
+    recorded: tuple[LocalServer, list[Exchange]], call: Any, reason: str
+) -> None:
+    with pytest.raises(tinker.BadRequestError, match=reason):
+        call(rest_client(recorded[0])).result(DEADLINE_S)
+

@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tinker_server.faults import FaultInjector, Faults
 from tinker_server.futures import FutureStore, Outcome
+from tinker_server.rest import FILES_PREFIX, add_rest_routes
 from tinker_server.service import LocalTinker
 from tinker_server.training import UserError
 from tinker_server.wire import WireError, decode_forward_backward
@@ -178,6 +179,13 @@ def create_app(
             work = lambda: service.snapshot_for_sampler(payload)  # noqa: E731
         return future("/api/v1/save_weights_for_sampler", work)
 
+    @app.post("/api/v1/save_weights_external")
+    async def save_weights_external(request: Request) -> JSONResponse:
+        payload = await body(request)
+        return future(
+            "/api/v1/save_weights_external", lambda: service.save_weights_external(payload)
+        )
+
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> JSONResponse:
         payload = await body(request)
@@ -221,6 +229,7 @@ def create_app(
             return JSONResponse({"error": outcome.error, "category": outcome.category})
         return Response(outcome.body, media_type=outcome.media_type)
 
+    add_rest_routes(app, service)
     return app
 
 
@@ -240,7 +249,12 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         refusal: Response | None = None
-        if self.key is not None and dict(scope["headers"]).get(b"x-api-key") != self.key:
+        signed = scope["path"].startswith(FILES_PREFIX)  # the signed URL is the credential
+        if (
+            self.key is not None
+            and not signed
+            and dict(scope["headers"]).get(b"x-api-key") != self.key
+        ):
             refusal = JSONResponse({"detail": "invalid or missing API key (X-API-Key)"}, 401)
         else:
             path = scope["path"]

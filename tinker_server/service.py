@@ -11,12 +11,14 @@ directory `store/<run>/<kind>/<name>/`, so a later server on the same store resu
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tinker_server.catalog import Catalog
 from tinker_server.futures import Outcome
 from tinker_server.sampling import SamplerPool, untied_copy
 from tinker_server.training import AdamSettings, LoraSpec, TrainingModel, UserError
@@ -62,6 +64,7 @@ class LocalTinker:
         self.finished: dict[str, str] = {}
         """How the latest `FINISHED_KEPT` sessions ended, as their clients said."""
         self._sampling_sessions = 0
+        self.catalog = Catalog(store)
 
     def load(self) -> None:
         """Load the base model and write its tokenizer where clients can read it (blocking)."""
@@ -118,6 +121,7 @@ class LocalTinker:
         found = self.models.get(model_id)
         if found is None:
             raise UserError(f"unknown model_id {model_id!r}")
+        self.catalog.touch(model_id)
         return found
 
     async def create_model(self, request: dict[str, Any]) -> Outcome:
@@ -136,6 +140,12 @@ class LocalTinker:
         model_id = f"{request['session_id']}:train:{request['model_seq_id']}"
         training = await asyncio.to_thread(TrainingModel, self.base, spec)
         self.models[model_id] = _Model(training=training, base_model=base_model)
+        self.catalog.record_run(
+            model_id,
+            base_model=base_model,
+            lora_rank=spec.rank,
+            user_metadata=request.get("user_metadata"),
+        )
         return json_outcome({"model_id": model_id, "type": "create_model"})
 
     def get_info(self, model_id: str) -> dict[str, Any]:
@@ -188,6 +198,7 @@ class LocalTinker:
         return f"tinker://{run}/{kind}/{name}", self.store / run / kind / name
 
     def _resolve(self, path: str) -> Path:
+        self.catalog.sweep()  # an expired checkpoint is gone
         parts = path.removeprefix("tinker://").split("/")
         if not path.startswith("tinker://") or len(parts) != 3 or parts[1] not in _KINDS:
             raise UserError(f"{path!r} is not a tinker://<run>/weights/<name> path")
@@ -209,8 +220,49 @@ class LocalTinker:
                 base_model=model.base_model,
                 optimizer=kind == "weights",
             )
+        self.catalog.record_checkpoint(
+            directory,
+            ttl_seconds=request.get("ttl_seconds"),
+            user_metadata=request.get("user_metadata"),
+        )
         # The SDK's response types name the call, not the kind of saved state.
         return json_outcome({"path": uri, "type": _SAVE_TYPE[kind]})
+
+    async def save_weights_external(self, request: dict[str, Any]) -> Outcome:
+        """Export a model as a Hugging Face model directory (adapters merged into the base
+        weights, with its tokenizer): `from_pretrained` and `model: <dir>` load it."""
+        if request.get("age_encryption_recipients"):
+            raise UserError("age_encryption_recipients: the local server exports unencrypted")
+        model = self._model(request["model_id"])
+        uri, directory = self._path(request["model_id"], "external_weights", request["path"])
+        if directory.exists():
+            raise UserError(f"{uri} exists; choose another name")
+        async with model.lock:
+            weights = await asyncio.to_thread(model.training.merged_weights)
+
+        def export() -> None:
+            exported = copy.deepcopy(self.pool.template)
+            exported.load_state_dict(weights)
+            exported.save_pretrained(directory, safe_serialization=True)
+            self.tokenizer.save_pretrained(directory)
+
+        await asyncio.to_thread(export)
+        self.catalog.record_checkpoint(directory, ttl_seconds=request.get("ttl_seconds"))
+        size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+        return json_outcome({"path": uri, "size_bytes": size, "type": "save_weights_external"})
+
+    def weights_info(self, tinker_path: str) -> dict[str, Any]:
+        """Base model and LoRA shape of saved state (`get_weights_info_by_tinker_path`)."""
+        meta = TrainingModel.read_meta(self._resolve(tinker_path))
+        lora = meta["lora"]
+        return {
+            "base_model": meta["base_model"],
+            "is_lora": True,
+            "lora_rank": lora["rank"],
+            "train_unembed": lora["train_unembed"],
+            "train_mlp": lora["train_mlp"],
+            "train_attn": lora["train_attn"],
+        }
 
     async def snapshot_for_sampler(self, request: dict[str, Any]) -> Outcome:
         """The ephemeral save of `save_weights_and_get_sampling_client`: a new sampling session."""
@@ -239,6 +291,12 @@ class LocalTinker:
 
         training = await asyncio.to_thread(build)
         self.models[model_id] = _Model(training=training, base_model=base_model)
+        self.catalog.record_run(
+            model_id,
+            base_model=base_model,
+            lora_rank=training.lora.rank,
+            user_metadata=request.get("user_metadata"),
+        )
         return json_outcome({"path": request["path"], "model_id": model_id, "type": "load_weights"})
 
     # -- sampling -----------------------------------------------------------------------------

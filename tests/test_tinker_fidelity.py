@@ -251,6 +251,8 @@ def test_every_answer_of_the_sdk_flow_validates_against_the_sdks_types(
     assert forward.loss_fn_outputs[0]["logprobs"].to_numpy().shape == (4,)
     backward = tc.forward_backward([sft_datum()], "cross_entropy").result(DEADLINE_S)
     assert backward.metrics["loss:sum"] > 0
+    custom = tc.forward_backward_custom([sft_datum()], lambda _, lps: (-lps[0].sum(), {}))
+    assert custom.result(DEADLINE_S).loss_fn_outputs[0]["logprobs"].to_numpy().shape == (4,)
     step = tc.optim_step(tinker.AdamParams(learning_rate=1e-3)).result(DEADLINE_S)
     assert step.metrics is not None and step.metrics["grad_norm"] > 0
 
@@ -457,3 +459,115 @@ def test_calls_out_of_scope_are_refused_in_one_line(
     with pytest.raises(tinker.BadRequestError, match=reason):
         call(rest_client(recorded[0])).result(DEADLINE_S)
 
+
+def test_topk_prompt_logprobs_are_served_and_other_prompt_options_refused(
+    recorded: tuple[LocalServer, list[Exchange]],
+) -> None:
+    service, tc = connect(recorded[0])
+    sampler = tc.save_weights_and_get_sampling_client().result(DEADLINE_S)
+    params = tinker.SamplingParams(max_tokens=1, seed=0)
+    prompt = tinker.ModelInput.from_ints(PROMPT)
+    answer = sampler.sample(
+        prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=3
+    ).result(DEADLINE_S)
+    topk, logprobs = answer.topk_prompt_logprobs, answer.prompt_logprobs
+    assert topk is not None and logprobs is not None and len(topk) == len(PROMPT)
+    assert topk[0] is None and logprobs[0] is None, "nothing precedes the first token"
+    for position in range(1, len(PROMPT)):
+        best = topk[position]
+        assert best is not None and len(best) == 3
+        values = [lp for _, lp in best]
+        assert values == sorted(values, reverse=True)
+        actual = logprobs[position]
+        assert actual is not None and actual <= values[0] + 1e-6
+        for token, lp in best:
+            if token == PROMPT[position]:
+                assert lp == pytest.approx(actual, abs=1e-5)
+    with pytest.raises(tinker.RequestFailedError, match="topk_sample_logprobs"):
+        sampler.sample(prompt, 1, params, topk_sample_logprobs=2).result(DEADLINE_S)
+    service.close("success").result(DEADLINE_S)
+    check_all(recorded[1])
+
+
+SDK_METHODS: dict[str, str] = {
+    # ServiceClient
+    "ServiceClient.close": "served: every test",
+    "ServiceClient.copy_weights": "refused: projects (test_calls_out_of_scope_...)",
+    "ServiceClient.create_custom_loss": "refused: server-side custom losses",
+    "ServiceClient.create_lora_training_client": "served: walk",
+    "ServiceClient.create_sampling_client": "served: walk",
+    "ServiceClient.create_training_client_from_state": "served: walk",
+    "ServiceClient.create_training_client_from_state_with_optimizer": "served: walk",
+    "ServiceClient.get_console_url": "client only (a URL of the service's console)",
+    "ServiceClient.get_telemetry": "client only",
+    "ServiceClient.holder": "client only",
+    # TrainingClient
+    "TrainingClient.create_sampling_client": "served: walk",
+    "TrainingClient.forward": "served: walk",
+    "TrainingClient.forward_backward": "served: walk, test_tinker_losses.py",
+    "TrainingClient.forward_backward_custom": "served: walk (forward + weighted backward)",
+    "TrainingClient.get_console_url": "client only",
+    "TrainingClient.get_info": "served: walk",
+    "TrainingClient.get_telemetry": "client only",
+    "TrainingClient.get_tokenizer": "served: walk (tokenizer_id is a local directory)",
+    "TrainingClient.optim_step": "served: walk",
+    "TrainingClient.save_state": "served: walk",
+    "TrainingClient.save_weights_and_get_sampling_client": "served: walk",
+    "TrainingClient.save_weights_external": "served: test_exported_weights_...",
+    "TrainingClient.save_weights_for_sampler": "served: walk",
+    # SamplingClient
+    "SamplingClient.compute_logprobs": "served: walk",
+    "SamplingClient.create": "served: through create_sampling_client",
+    "SamplingClient.from_sampler_handle": "client only",
+    "SamplingClient.get_base_model": "served: walk",
+    "SamplingClient.get_sampler_handle": "client only",
+    "SamplingClient.get_telemetry": "client only",
+    "SamplingClient.get_tokenizer": "client only (from the base model's name)",
+    "SamplingClient.on_queue_state_change": "client only (the queue is always active)",
+    "SamplingClient.sample": "served: walk, test_topk_prompt_logprobs_...",
+    # RestClient
+    "RestClient.assign_session_project": "refused: projects",
+    "RestClient.copy_weights": "refused: projects",
+    "RestClient.delete_checkpoint": "served: as delete_checkpoint_from_tinker_path",
+    "RestClient.delete_checkpoint_from_tinker_path": "served: test_training_runs_...",
+    "RestClient.export_session_trace": "refused: sessions",
+    "RestClient.get_external_weights_urls": "served: test_exported_weights_...",
+    "RestClient.get_sampler": "served: walk",
+    "RestClient.get_server_capabilities": "served: walk",
+    "RestClient.get_session": "refused: sessions",
+    "RestClient.get_telemetry": "client only",
+    "RestClient.get_training_run": "served: test_training_runs_...",
+    "RestClient.get_training_run_by_tinker_path": "served: test_training_runs_...",
+    "RestClient.get_weights_info_by_tinker_path": "served: test_training_runs_...",
+    "RestClient.list_checkpoints": "served: test_training_runs_...",
+    "RestClient.list_sessions": "refused: sessions",
+    "RestClient.list_training_runs": "served: test_training_runs_...",
+    "RestClient.list_user_checkpoints": "served: test_training_runs_...",
+    "RestClient.publish_checkpoint_from_tinker_path": "served: test_training_runs_...",
+    "RestClient.set_checkpoint_ttl_from_tinker_path": "served: test_training_runs_...",
+    "RestClient.unpublish_checkpoint_from_tinker_path": "served: test_training_runs_...",
+    "RestClient.whoami": "refused by the SDK itself: needs JWT auth, which the server leaves off",
+}
+"""Every public, non-deprecated method of the pinned SDK's clients, and where it is covered."""
+
+
+def test_every_public_sdk_method_is_served_or_refused() -> None:
+    """A method a new SDK adds fails here until it is served (and walked) or refused."""
+    found = set()
+    clients = (
+        tinker.ServiceClient,
+        tinker.TrainingClient,
+        tinker.SamplingClient,
+        tinker.RestClient,
+    )
+    for client in clients:
+        for name, member in vars(client).items():
+            target = getattr(member, "fget", member)
+            if name.startswith("_") or getattr(target, "__deprecated__", None):
+                continue
+            if callable(target):
+                found.add(f"{client.__name__}.{name}")
+    assert found == set(SDK_METHODS), (
+        sorted(found - set(SDK_METHODS)),
+        sorted(set(SDK_METHODS) - found),
+    )

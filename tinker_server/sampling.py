@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -25,7 +26,7 @@ from torchkit.sampler import BatchingSampler
 from unified.errors import UsageError
 from unified.types import SamplingParams
 
-__all__ = ["SamplerPool", "sampling_params_from_wire", "untied_copy"]
+__all__ = ["SamplerPool", "TopK", "sampling_params_from_wire", "untied_copy"]
 
 BASE = "base"
 
@@ -158,8 +159,10 @@ class SamplerPool:
         wire_params: dict[str, Any],
         *,
         prompt_logprobs: bool = False,
-    ) -> tuple[list[SampledTokens], list[float] | None]:
-        """`num_samples` completions of `prompt_ids` (batched with concurrent requests)."""
+        topk_prompt: int = 0,
+    ) -> tuple[list[SampledTokens], list[float] | None, TopK | None]:
+        """`num_samples` completions of `prompt_ids` (batched with concurrent requests), and
+        if asked the prompt's logprobs and its `topk_prompt` most likely tokens per position."""
         sampler = self._sampler(session_id)
         room = None if self.max_positions is None else self.max_positions - len(prompt_ids)
         params = sampling_params_from_wire(wire_params, self.tokenizer, room)
@@ -184,12 +187,12 @@ class SamplerPool:
             )
             for o in outputs
         ]
-        scored = None
-        if prompt_logprobs:
+        scored = topk = None
+        if prompt_logprobs or topk_prompt:
             snapshot = self._snapshot_of[session_id]
             scorer = self._scorers.setdefault(snapshot, _PromptScorer(sampler.model))
-            scored = await scorer.score(prompt_ids)
-        return sequences, scored
+            scored, topk = await scorer.score(prompt_ids, topk_prompt)
+        return sequences, scored if prompt_logprobs else None, topk
 
 
 class _PromptScorer:
@@ -197,13 +200,13 @@ class _PromptScorer:
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
-        self._waiting: list[tuple[list[int], asyncio.Future[list[float]]]] = []
+        self._waiting: list[_Scoring] = []
         self._running: asyncio.Future[None] | None = None
 
-    async def score(self, prompt_ids: list[int]) -> list[float]:
+    async def score(self, prompt_ids: list[int], k: int = 0) -> _Scored:
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[list[float]] = loop.create_future()
-        self._waiting.append((prompt_ids, future))
+        future: asyncio.Future[_Scored] = loop.create_future()
+        self._waiting.append((prompt_ids, k, future))
         await asyncio.sleep(0)  # requests of the same tick join one batch
         while not future.done():
             if self._running is None or self._running.done():
@@ -213,28 +216,45 @@ class _PromptScorer:
         return future.result()
 
 
+TopK = tuple[np.ndarray, np.ndarray]
+"""Top-k prompt logprobs: token ids (int32) and logprobs (float32), each `(prompt length, k)`;
+position 0 (nothing precedes it) holds the SDK's sentinel, token 0 with `MASK_LOGPROB`."""
+MASK_LOGPROB = -99999.0
+_Scored = tuple[list[float], TopK | None]
+_Scoring = tuple[list[int], int, asyncio.Future[_Scored]]
+
+
 @torch.no_grad()
-def _score_batch(
-    model: PreTrainedModel, batch: list[tuple[list[int], asyncio.Future[list[float]]]]
-) -> None:
-    """Logprob of each prompt token given the ones before it (NaN for the first), per request."""
+def _score_batch(model: PreTrainedModel, batch: list[_Scoring]) -> None:
+    """Logprob of each prompt token given the ones before it (NaN for the first), and the
+    top-k next tokens at each position where k > 0, per request."""
+    results: list[_Scored | BaseException]
     try:
-        width = max(len(ids) for ids, _ in batch)
+        width = max(len(ids) for ids, _, _ in batch)
         device = next(model.parameters()).device
         ids_BL = torch.zeros(len(batch), width, dtype=torch.long)
         mask_BL = torch.zeros(len(batch), width, dtype=torch.long)
-        for b, (ids, _) in enumerate(batch):
+        for b, (ids, _, _) in enumerate(batch):
             ids_BL[b, : len(ids)], mask_BL[b, : len(ids)] = torch.tensor(ids), 1
         ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
         logits = model(input_ids=ids_BL, attention_mask=mask_BL).logits[:, :-1].float()
-        picked_BL = torch.log_softmax(logits, dim=-1).gather(2, ids_BL[:, 1:, None])[..., 0]
-        results: list[list[float] | BaseException] = [
-            [float("nan"), *picked_BL[b, : len(ids) - 1].tolist()]
-            for b, (ids, _) in enumerate(batch)
-        ]
+        logp_BLV = torch.log_softmax(logits, dim=-1)
+        picked_BL = logp_BLV.gather(2, ids_BL[:, 1:, None])[..., 0]
+        results = []
+        for b, (ids, k, _) in enumerate(batch):
+            topk = None
+            if k > 0:
+                n = len(ids)
+                top_ids = np.zeros((n, k), dtype=np.int32)
+                top_lps = np.full((n, k), MASK_LOGPROB, dtype=np.float32)
+                best = logp_BLV[b, : n - 1].topk(min(k, logp_BLV.shape[-1]), dim=-1)
+                top_ids[1:, : best.indices.shape[1]] = best.indices.cpu().numpy()
+                top_lps[1:, : best.values.shape[1]] = best.values.cpu().numpy()
+                topk = (top_ids, top_lps)
+            results.append(([float("nan"), *picked_BL[b, : len(ids) - 1].tolist()], topk))
     except Exception as e:
         results = [e] * len(batch)
-    for (_, future), result in zip(batch, results, strict=True):
+    for (_, _, future), result in zip(batch, results, strict=True):
         loop = future.get_loop()
         if isinstance(result, BaseException):
             loop.call_soon_threadsafe(_fail, future, result)
@@ -242,11 +262,11 @@ def _score_batch(
             loop.call_soon_threadsafe(_resolve, future, result)
 
 
-def _resolve(future: asyncio.Future[list[float]], result: list[float]) -> None:
+def _resolve(future: asyncio.Future[_Scored], result: _Scored) -> None:
     if not future.done():
         future.set_result(result)
 
 
-def _fail(future: asyncio.Future[list[float]], error: BaseException) -> None:
+def _fail(future: asyncio.Future[_Scored], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)

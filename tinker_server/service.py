@@ -35,6 +35,12 @@ __all__ = ["LocalTinker"]
 _KINDS = ("weights", "sampler_weights")
 _SAVE_TYPE = {"weights": "save_weights", "sampler_weights": "save_weights_for_sampler"}
 FINISHED_KEPT = 1024
+_SAMPLE_REFUSED = {
+    "topk_sample_logprobs": "top-k logprobs of sampled tokens are not served here",
+    "target_prompt_logprobs": "scoring chosen ids at prompt positions is not served here",
+    "prompt_alt_tokens_k": "alternative draws at prompt positions are not served here",
+}
+"""Sampling options the local server refuses rather than answering without them."""
 
 
 def json_outcome(payload: dict[str, Any]) -> Outcome:
@@ -334,11 +340,16 @@ class LocalTinker:
             if chunk.get("type", "encoded_text") != "encoded_text":
                 raise UserError(f"prompt chunk type {chunk.get('type')!r}: text only")
             prompt_ids += chunk["tokens"]
-        sequences, prompt_logprobs = await self.pool.sample(
+        for key, why in _SAMPLE_REFUSED.items():
+            if request.get(key):
+                raise UserError(f"asample {key}: {why}")
+        sequences, prompt_logprobs, topk = await self.pool.sample(
             session_id,
             prompt_ids,
             int(request.get("num_samples", 1)),
             request.get("sampling_params") or {},
             prompt_logprobs=bool(request.get("prompt_logprobs")),
+            topk_prompt=int(request.get("topk_prompt_logprobs") or 0),
         )
-        return Outcome(body=encode_sample_response(sequences, prompt_logprobs), media_type=PROTOBUF)
+        body = encode_sample_response(sequences, prompt_logprobs, topk)
+        return Outcome(body=body, media_type=PROTOBUF)

@@ -29,15 +29,43 @@ from torchkit.losses import per_token_loss
 from torchkit.optim import clipped_step
 from torchkit.scoring import score_tokens
 
-__all__ = ["LOSS_INPUTS", "AdamSettings", "LoraSpec", "TrainingModel", "UserError"]
+__all__ = [
+    "LOSS_INPUTS",
+    "REFUSED_LOSSES",
+    "AdamSettings",
+    "LoraSpec",
+    "TrainingModel",
+    "UserError",
+    "dro_loss",
+    "gspo_loss",
+]
 
 LOSS_INPUTS: dict[str, frozenset[str]] = {
     "cross_entropy": frozenset({"target_tokens", "weights"}),
     "importance_sampling": frozenset({"target_tokens", "logprobs", "advantages"}),
     "ppo": frozenset({"target_tokens", "logprobs", "advantages"}),
     "cispo": frozenset({"target_tokens", "logprobs", "advantages"}),
+    "dro": frozenset({"target_tokens", "logprobs", "advantages"}),
+    "gspo": frozenset({"target_tokens", "logprobs", "advantages"}),
 }
-"""The loss functions the server runs and the exact `loss_fn_inputs` each one takes."""
+"""The loss functions the server runs and the `loss_fn_inputs` each one requires."""
+
+OPTIONAL_INPUTS: dict[str, frozenset[str]] = {"gspo": frozenset({"sequence_ratio_mask"})}
+"""Inputs a loss also takes. `gspo` without `sequence_ratio_mask`: the positions whose sampler
+logprob is not 0 (prompt positions carry 0), i.e. the sampled tokens."""
+
+REFUSED_LOSSES: dict[str, str] = {
+    "stable_reinforce": "its objective is not published (the service computes it from "
+    "information it records while sampling); use ppo, cispo or gspo, which are robust "
+    "off-policy too",
+    "custom": "server-side custom losses are not served; forward_backward_custom runs the "
+    "loss on the client and works",
+}
+"""Losses the SDK names that the server refuses, and why."""
+
+_CLIP_KEYS = frozenset({"clip_low_threshold", "clip_high_threshold"})
+_CONFIG_KEYS: dict[str, frozenset[str]] = {"dro": frozenset({"beta"})}
+"""`loss_fn_config` keys of each loss (default: the clip thresholds)."""
 
 _MICRO_BATCH = 64
 
@@ -96,7 +124,7 @@ class TrainingModel:
         forward_only: bool,
     ) -> tuple[list[np.ndarray], dict[str, float]]:
         """Per-datum logprobs of the target tokens and `loss:sum`; accumulates gradients."""
-        clip_ratio = _clip_ratio(loss_fn, loss_fn_config)
+        settings = _settings(loss_fn, loss_fn_config)
         for i, datum in enumerate(data):
             _check_datum(i, datum, loss_fn)
         outputs: list[np.ndarray] = []
@@ -105,7 +133,7 @@ class TrainingModel:
             chunk = data[start : start + _MICRO_BATCH]
             with torch.set_grad_enabled(not forward_only):
                 logp_T = self._target_logprobs(chunk)
-                loss = self._loss(chunk, loss_fn, logp_T, clip_ratio)
+                loss = self._loss(chunk, loss_fn, logp_T, settings)
                 if not forward_only and loss.requires_grad:
                     loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += float(loss.detach())
@@ -140,7 +168,7 @@ class TrainingModel:
         return scores.logp_T
 
     def _loss(
-        self, chunk: list[WireDatum], loss_fn: str, logp_T: torch.Tensor, clip_ratio: float
+        self, chunk: list[WireDatum], loss_fn: str, logp_T: torch.Tensor, settings: _Settings
     ) -> torch.Tensor:
         def flat(name: str) -> torch.Tensor:
             values = np.concatenate([d.inputs[name] for d in chunk]).astype(np.float32)
@@ -148,9 +176,21 @@ class TrainingModel:
 
         if loss_fn == "cross_entropy":
             return -(flat("weights") * logp_T).sum()
-        terms = per_token_loss(
-            loss_fn, logp_T, flat("logprobs"), flat("advantages"), clip_ratio=clip_ratio
-        )
+        old_T, adv_T = flat("logprobs"), flat("advantages")
+        if loss_fn == "dro":
+            return dro_loss(logp_T, old_T, adv_T, beta=settings.beta)
+        if loss_fn == "gspo":
+            masks = [
+                d.inputs.get("sequence_ratio_mask", (d.inputs["logprobs"] != 0).astype(np.float32))
+                for d in chunk
+            ]
+            mask_T = torch.from_numpy(np.concatenate(masks).astype(np.float32)).to(self.device)
+            lengths = torch.tensor([len(d.tokens) for d in chunk], device=self.device)
+            row_T = torch.repeat_interleave(torch.arange(len(chunk), device=self.device), lengths)
+            return gspo_loss(
+                logp_T, old_T, adv_T, mask_T, row_T, low=settings.low, high=settings.high
+            )
+        terms = per_token_loss(loss_fn, logp_T, old_T, adv_T, clip_ratio=settings.high - 1.0)
         return terms.loss_T.sum()
 
     def optim_step(self, adam: AdamSettings) -> dict[str, float]:
@@ -224,29 +264,82 @@ class TrainingModel:
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
 
 
-def _clip_ratio(loss_fn: str, config: dict[str, float]) -> float:
-    """The symmetric clip range `e` of `[1 - e, 1 + e]` from Tinker's clip thresholds."""
+@dataclass(frozen=True)
+class _Settings:
+    """A loss's `loss_fn_config`, checked: clip bounds of the ratio, DRO's beta."""
+
+    low: float = 0.8
+    high: float = 1.2
+    beta: float = 0.0
+
+
+def _settings(loss_fn: str, config: dict[str, float]) -> _Settings:
+    if loss_fn in REFUSED_LOSSES:
+        raise UserError(f"loss_fn {loss_fn!r} is not served here: {REFUSED_LOSSES[loss_fn]}")
     if loss_fn not in LOSS_INPUTS:
         supported = ", ".join(sorted(LOSS_INPUTS))
         raise UserError(f"loss_fn {loss_fn!r} is not served here; supported: {supported}")
-    unknown = set(config) - {"clip_low_threshold", "clip_high_threshold"}
+    allowed = _CONFIG_KEYS.get(loss_fn, _CLIP_KEYS)
+    unknown = set(config) - allowed
     if unknown:
-        raise UserError(f"loss_fn_config keys {sorted(unknown)} are not supported")
+        raise UserError(
+            f"loss_fn_config keys {sorted(unknown)} are not supported by {loss_fn!r} "
+            f"(it takes {sorted(allowed)})"
+        )
+    if loss_fn == "dro":
+        if "beta" not in config:
+            raise UserError("loss 'dro' needs loss_fn_config={'beta': ...}")
+        return _Settings(beta=float(config["beta"]))
     low = config.get("clip_low_threshold", 0.8)
     high = config.get("clip_high_threshold", 1.2)
-    if not math.isclose(1.0 - low, high - 1.0, abs_tol=1e-6) or high <= 1.0:
+    if not low < 1.0 < high:
+        raise UserError(f"clip thresholds ({low}, {high}) must satisfy low < 1 < high")
+    symmetric = math.isclose(1.0 - low, high - 1.0, abs_tol=1e-6)
+    if loss_fn in ("ppo", "cispo", "importance_sampling") and not symmetric:
         raise UserError(
-            f"clip thresholds ({low}, {high}) must be symmetric around 1 on the local server"
+            f"clip thresholds ({low}, {high}) must be symmetric around 1 for {loss_fn!r} "
+            "on the local server"
         )
-    return high - 1.0
+    return _Settings(low=low, high=high)
+
+
+def dro_loss(
+    logp_T: torch.Tensor, old_T: torch.Tensor, adv_T: torch.Tensor, *, beta: float
+) -> torch.Tensor:
+    """Tinker's `dro`: `-sum(logp * A - beta / 2 * (logp - q)^2)`."""
+    return -(logp_T * adv_T - 0.5 * beta * (logp_T - old_T) ** 2).sum()
+
+
+def gspo_loss(
+    logp_T: torch.Tensor,
+    old_T: torch.Tensor,
+    adv_T: torch.Tensor,
+    mask_T: torch.Tensor,
+    row_T: torch.Tensor,
+    *,
+    low: float,
+    high: float,
+) -> torch.Tensor:
+    """Tinker's `gspo` (GSPO-token): each datum's ratio is the geometric mean of its masked
+    tokens' ratios; every token carries that value with its own logprob's gradient, clipped
+    PPO-style: `-sum(min(s_t * A_t, clip(s_t, low, high) * A_t))`."""
+    rows = int(row_T.max()) + 1 if row_T.numel() else 0
+    gap_T = (logp_T.detach() - old_T) * mask_T
+    count_R = torch.zeros(rows, device=logp_T.device).index_add_(0, row_T, mask_T)
+    total_R = torch.zeros(rows, device=logp_T.device).index_add_(0, row_T, gap_T)
+    log_ratio_R = total_R / count_R.clamp(min=1.0)
+    ratio_T = torch.exp(log_ratio_R[row_T] + logp_T - logp_T.detach())
+    return -torch.minimum(ratio_T * adv_T, ratio_T.clamp(low, high) * adv_T).sum()
 
 
 def _check_datum(index: int, datum: WireDatum, loss_fn: str) -> None:
     wanted = LOSS_INPUTS[loss_fn]
+    optional = OPTIONAL_INPUTS.get(loss_fn, frozenset())
     got = set(datum.inputs)
-    if got != wanted:
+    if not wanted <= got <= wanted | optional:
+        also = f" (and optionally {sorted(optional)})" if optional else ""
         raise UserError(
-            f"datum {index}: loss {loss_fn!r} takes loss_fn_inputs {sorted(wanted)}, "
+            f"datum {index}: loss {loss_fn!r} takes loss_fn_inputs {sorted(wanted)}{also}, "
             f"got {sorted(got)}"
         )
     n = len(datum.tokens)

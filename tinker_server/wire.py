@@ -110,6 +110,11 @@ def _decode_tensor(name: str, tensor: public_pb.Tensor) -> np.ndarray:
         raise WireError(f"loss_fn_inputs[{name!r}] has unsupported dtype {tensor.dtype}")
     if tensor.HasField("sparse_csr"):
         raise WireError(f"loss_fn_inputs[{name!r}] is sparse; the server takes dense tensors")
+    if len(tensor.shape) > 1:
+        raise WireError(
+            f"loss_fn_inputs[{name!r}] has shape {list(tensor.shape)}: 2-D inputs (soft-target "
+            "cross_entropy) are not served here; send one value per position"
+        )
     array = np.frombuffer(tensor.dense, dtype=dtype)
     if list(tensor.shape) and int(np.prod(tensor.shape)) != array.size:
         raise WireError(f"loss_fn_inputs[{name!r}]: shape {list(tensor.shape)} vs {array.size}")
@@ -134,9 +139,12 @@ def encode_forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str
 
 
 def encode_sample_response(
-    sequences: list[SampledTokens], prompt_logprobs: list[float] | None = None
+    sequences: list[SampledTokens],
+    prompt_logprobs: list[float] | None = None,
+    topk_prompt: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> bytes:
-    """A protobuf `SampleResponse`; `prompt_logprobs[0]` is NaN (nothing precedes it)."""
+    """A protobuf `SampleResponse`; `prompt_logprobs[0]` is NaN (nothing precedes it);
+    `topk_prompt` is token ids and logprobs, each `(prompt length, k)`."""
     message = public_pb.SampleResponse()
     for seq in sequences:
         out = message.sequences.add()
@@ -145,4 +153,10 @@ def encode_sample_response(
         out.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
     if prompt_logprobs is not None:
         message.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if topk_prompt is not None:
+        ids, logprobs = topk_prompt
+        topk = message.topk_prompt_logprobs
+        topk.length, topk.k = ids.shape
+        topk.token_ids = np.ascontiguousarray(ids, dtype=np.int32).tobytes()
+        topk.logprobs = np.ascontiguousarray(logprobs, dtype=np.float32).tobytes()
     return message.SerializeToString()  # type: ignore[no-any-return]

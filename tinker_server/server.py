@@ -113,7 +113,7 @@ def create_app(
 
     @app.get("/api/v1/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:
-        return {"supported_models": [{"model_name": service.model_spec}]}
+        return {"supported_models": [{"model_name": name} for name in service.advertised]}
 
     @app.post("/api/v1/create_session")
     async def create_session() -> dict[str, Any]:
@@ -283,8 +283,11 @@ class LocalServer:
         faults: Faults | None = None,
         max_batch: int = 64,
         keep_samplers: int = 8,
+        aliases: Sequence[str] = (),
     ) -> None:
-        self.service = LocalTinker(model, store, max_batch=max_batch, keep_samplers=keep_samplers)
+        self.service = LocalTinker(
+            model, store, max_batch=max_batch, keep_samplers=keep_samplers, aliases=aliases
+        )
         self._ready = threading.Event()
         self.app = create_app(self.service, api_key=api_key, faults=faults, ready=self._ready)
         try:
@@ -383,6 +386,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="builtin:tiny",
         help="builtin:<size>, a local model dir or a model provider (package.module:function)",
     )
+    parser.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another base-model name clients may use (repeatable), e.g. a hub id",
+    )
     parser.add_argument("--api-key", default=None, help="require this X-API-Key (tml-...)")
     parser.add_argument("--store", type=Path, default=DEFAULT_STORE, help="tinker:// paths")
     parser.add_argument(
@@ -413,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             faults=faults,
             max_batch=args.max_batch,
             keep_samplers=args.keep_samplers,
+            aliases=[args.model, *args.alias],  # a provider's name, not only its directory
         )
         url = server.start()
         if args.exit_with_stdin:

@@ -14,6 +14,7 @@ import asyncio
 import copy
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,9 +60,19 @@ class LocalTinker:
     """The models, sampling sessions and saved state of one local Tinker server."""
 
     def __init__(
-        self, model: str, store: Path, *, max_batch: int = 64, keep_samplers: int = 8
+        self,
+        model: str,
+        store: Path,
+        *,
+        max_batch: int = 64,
+        keep_samplers: int = 8,
+        aliases: Sequence[str] = (),
     ) -> None:
-        self.model_spec = model
+        directory = not is_builtin(model) and Path(model).is_dir()
+        self.model_spec = str(Path(model).resolve()) if directory else model
+        """The served model's canonical name: `builtin:<size>` or an absolute directory."""
+        self.aliases = [name for name in (model, *aliases) if name != self.model_spec]
+        """Other names clients may use for it (`--model` as given, `--alias`)."""
         self.store = store
         self.max_batch = max_batch
         self.keep_samplers = keep_samplers
@@ -93,14 +104,24 @@ class LocalTinker:
         """The tokenizer as `get_info` reports it: an absolute local directory."""
         return str(self.tokenizer_dir.resolve())
 
+    @property
+    def advertised(self) -> list[str]:
+        """Names `get_server_capabilities` lists: the canonical one and, for a built-in model,
+        the absolute directory holding its tokenizer (what a client can load it from offline,
+        e.g. tinker-cookbook's `model_name`)."""
+        names = [self.model_spec]
+        if is_builtin(self.model_spec):
+            names.append(self.tokenizer_id)
+        return names
+
     def _check_base_model(self, name: str | None) -> str:
-        if name is None or name == self.model_spec:
+        if name is None or name in self.advertised or name in self.aliases:
             return self.model_spec
         if not is_builtin(name) and Path(name).resolve() == Path(self.model_spec).resolve():
             return self.model_spec
         raise UserError(
             f"base model {name!r} is not served here; this server serves {self.model_spec!r} "
-            "(unified tinker-serve --model ...)"
+            "(unified tinker-serve --model ..., --alias NAME for more names)"
         )
 
     # -- sessions and models ------------------------------------------------------------------

@@ -17,12 +17,22 @@ pytest.importorskip("vllm")
 import pytest_asyncio
 import torch
 
+from backends.local.backend import LocalBackend
 from torchkit.builtin import build_model, load_policy, save_policy
 from torchkit.sampler import BatchingSampler
 from torchkit.scoring import score_tokens
 from torchkit.vllm_engine import VllmSampler, VllmSettings, check_settings
+from unified.config import TrainerConfig, load_config
 from unified.errors import ConfigError
-from unified.types import ModelOutput, SamplingParams
+from unified.rollout import SamplingEngine
+from unified.types import (
+    Episode,
+    ModelOutput,
+    SamplingParams,
+    Step,
+    Trajectory,
+    TrajectoryGroup,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -235,3 +245,66 @@ def test_a_misconfigured_engine_is_one_clear_line(
         message = str(error.value)
         assert expected in message and "\n" not in message, (name, message)
     assert check_settings({}, directory) == VllmSettings()
+
+
+def local_vllm_config(tmp_path: Path, **async_: object) -> TrainerConfig:
+    return load_config(
+        {
+            "workflow": "examples.countdown.workflow:CountdownWorkflow",
+            "model": "builtin:tiny",
+            "trainer": {"lr": 1e-2},
+            "sampling": {"train": {"max_tokens": 8}},
+            "logging": {"run_dir": str(tmp_path / "runs"), "console": False},
+            "local": {"engine": "vllm", "vllm": {"kv_cache_gb": 0.25}},
+            "async": async_,
+        }
+    )
+
+
+def test_the_local_backend_refuses_partial_rollouts_on_vllm(tmp_path: Path) -> None:
+    config = local_vllm_config(tmp_path, partial_rollout=True)
+    with pytest.raises(ConfigError, match=r"local\.engine=vllm does not do async\.partial_rollout"):
+        LocalBackend().check_config(config)
+
+
+async def test_the_local_backend_trains_and_samples_on_vllm(tmp_path: Path) -> None:
+    backend = LocalBackend()
+    await backend.setup(local_vllm_config(tmp_path))
+    assert isinstance(backend.token_sampler(), VllmSampler)
+    engine = SamplingEngine(backend.token_sampler())
+    try:
+        outputs = [
+            await engine.chat([{"role": "user", "content": p}], seed=i, max_tokens=8)
+            for i, p in enumerate(PROMPTS)
+        ]
+        for out in outputs:
+            gap = (recomputed(backend.model, out, 1.0) - torch.tensor(out.logprobs)).abs().max()
+            assert gap.item() <= LOGPROB_TOLERANCE
+        episodes = [
+            Episode(
+                task_id="t",
+                rollout_index=i,
+                trajectories=[Trajectory(steps=[Step(output=o, reward=a)], reward=a)],
+            )
+            for i, (o, a) in enumerate(zip(outputs, [1.0, -1.0, 0.5, -0.5], strict=True))
+        ]
+        group = TrajectoryGroup(
+            task_id="t", episodes=episodes, advantages=[1.0, -1.0, 0.5, -0.5], policy_version=0
+        )
+        await backend.forward_backward([group])
+        await backend.optim_step()
+        await backend.on_policy_updated(1)
+        after = await engine.chat([{"role": "user", "content": PROMPTS[0]}], seed=9)
+        assert after.policy_version == 1
+        gap = (recomputed(backend.model, after, 1.0) - torch.tensor(after.logprobs)).abs().max()
+        assert gap.item() <= LOGPROB_TOLERANCE
+        # A checkpoint keeps the sampler's weights and version; loading it puts them back.
+        await backend.save_checkpoint(tmp_path / "ckpt")
+        saved = backend.token_sampler().weights()  # type: ignore[attr-defined]
+        for name, tensor in backend.model.state_dict().items():
+            assert torch.equal(saved[name], tensor), name
+        await backend.load_checkpoint(tmp_path / "ckpt")
+        again = await engine.chat([{"role": "user", "content": PROMPTS[0]}], seed=9)
+        assert again.completion_ids == after.completion_ids and again.policy_version == 1
+    finally:
+        await backend.shutdown()

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerBase
 
 from torchkit.builtin import load_tokenizer
@@ -90,15 +90,15 @@ def _one_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _settings(raw: VllmSettings | dict[str, Any]) -> VllmSettings:
+def _settings(raw: VllmSettings | dict[str, Any], key: str) -> VllmSettings:
     if isinstance(raw, VllmSettings):
         return raw
     try:
         return VllmSettings.model_validate(raw)
     except ValidationError as e:
         first = e.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        where = f"vllm.{key}" if key else "vllm"
+        loc = ".".join(str(p) for p in first["loc"])
+        where = f"{key}.{loc}" if loc else key
         raise ConfigError(f"config key '{where}': {first['msg']}") from None
 
 
@@ -113,30 +113,31 @@ def _available_gib() -> float:
 
 
 def check_settings(
-    raw: VllmSettings | dict[str, Any], model_dir: str | os.PathLike[str]
+    raw: VllmSettings | dict[str, Any], model_dir: str | os.PathLike[str], *, key: str = "vllm"
 ) -> VllmSettings:
-    """The settings, checked against the model and this machine, or one-line `ConfigError`."""
-    settings = _settings(raw)
+    """The settings, checked against the model and this machine, or a one-line `ConfigError`
+    that names the bad key (`key`: where the settings sit in the config)."""
+    settings = _settings(raw, key)
     directory = Path(model_dir)
     if not (directory / "config.json").is_file():
         raise ConfigError(f"vLLM needs a model directory with config.json, got {str(directory)!r}")
     positions = _positions(directory)
     if settings.max_model_len is not None and positions and settings.max_model_len > positions:
         raise ConfigError(
-            f"config key 'vllm.max_model_len': {settings.max_model_len} exceeds the model's "
+            f"config key '{key}.max_model_len': {settings.max_model_len} exceeds the model's "
             f"{positions} positions"
         )
     gpus = torch.cuda.device_count()
     if gpus == 0 and settings.dtype == "float16":
-        raise ConfigError("config key 'vllm.dtype': float16 needs a GPU; use float32 or bfloat16")
+        raise ConfigError(f"config key '{key}.dtype': float16 needs a GPU; use float32 or bfloat16")
     if settings.tensor_parallel_size > max(gpus, 1):
         raise ConfigError(
-            f"config key 'vllm.tensor_parallel_size': {settings.tensor_parallel_size} exceeds "
+            f"config key '{key}.tensor_parallel_size': {settings.tensor_parallel_size} exceeds "
             f"the {max(gpus, 1)} device(s) here"
         )
     if gpus == 0 and settings.kv_cache_gb is not None and settings.kv_cache_gb > _available_gib():
         raise ConfigError(
-            f"config key 'vllm.kv_cache_gb': {settings.kv_cache_gb:g} GiB is more than the "
+            f"config key '{key}.kv_cache_gb': {settings.kv_cache_gb:g} GiB is more than the "
             f"{_available_gib():.1f} GiB of memory available"
         )
     return settings
@@ -153,8 +154,13 @@ class VllmSampler:
         end_tokens: set[int],
         max_model_len: int | None,
         settings: VllmSettings,
+        model_dir: Path,
     ) -> None:
         self.engine = engine
+        self.model_dir = model_dir
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        self._tied = bool(config.get("tie_word_embeddings", False))
+        self._loaded: Path | None = None  # the weights file of the last load
         self._tokenizer = tokenizer
         self.end_tokens = end_tokens
         self.max_model_len = max_model_len
@@ -176,13 +182,14 @@ class VllmSampler:
         settings: VllmSettings | dict[str, Any] | None = None,
         *,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        key: str = "vllm",
     ) -> VllmSampler:
         """Start an engine on the model directory `model_dir` (e.g. written by `save_policy`).
 
         A misconfiguration (bad key, length, dtype, memory) is a one-line `ConfigError`.
         """
         directory = Path(model_dir)
-        checked = check_settings(settings or {}, directory)
+        checked = check_settings(settings or {}, directory, key=key)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -224,6 +231,7 @@ class VllmSampler:
             end_tokens={t for t in ends if t is not None},
             max_model_len=max_len,
             settings=checked,
+            model_dir=directory,
         )
 
     @property
@@ -302,6 +310,7 @@ class VllmSampler:
                 await self.engine.collective_rpc(
                     "reload_weights", kwargs={"weights_path": str(self._weights_dir)}
                 )
+                self._loaded = self._weights_dir / "model.safetensors"
                 self.version = version
                 await self.engine.resume_generation()
             finally:
@@ -310,6 +319,8 @@ class VllmSampler:
     def _write(self, state_dict: dict[str, torch.Tensor]) -> None:
         # Every name, tied ones included: vLLM's in-place reload leaves a tied lm_head on the
         # old weights unless the file names it. Shared storage is cloned (safetensors refuses it).
+        if self._tied and "lm_head.weight" not in state_dict:
+            state_dict = {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
         seen: set[int] = set()
         tensors: dict[str, torch.Tensor] = {}
         for name, t in state_dict.items():
@@ -318,6 +329,16 @@ class VllmSampler:
             tensors[name] = t.clone() if key in seen else t
             seen.add(key)
         save_file(tensors, str(self._weights_dir / "model.safetensors"))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The weights sampling uses (of `version`), as a state dict on the CPU (for
+        checkpoints: vLLM holds its own copy, repacked; this reads the file it was loaded from)."""
+        if self._loaded is not None:
+            return load_file(self._loaded)
+        tensors: dict[str, torch.Tensor] = {}
+        for path in sorted(self.model_dir.glob("*.safetensors")):
+            tensors |= load_file(path)
+        return tensors
 
     async def wait_idle(self) -> None:
         """Wait until no request is running."""

@@ -26,8 +26,8 @@ from unified.checkpoint import LedgerEntry, TrainerState
 from unified.config import TrainerConfig
 from unified.coordinator import SyncCoordinator
 from unified.data import TaskSampler
-from unified.errors import StallError
 from unified.types import Episode, Task, TrajectoryGroup
+from unified.waiting import Changes
 
 __all__ = ["EndedGroup", "GroupTicket", "Outcome", "TrajectoryGroupBuffer"]
 
@@ -91,7 +91,6 @@ class TrajectoryGroupBuffer:
         self._discarded = {"episodes/discarded": 0.0, "episodes/cancelled": 0.0}
         self._sampler = tasks
         self._ledger = ledger
-        self._stall_timeout_s = stall_timeout_s
         # Tasks to dispatch before new ones, with their sequence number (None: a new one).
         self._redispatch: deque[tuple[Task, int | None]] = deque()
         # Every dispatched group not yet ended, by group id: its task and sequence number.
@@ -102,8 +101,7 @@ class TrajectoryGroupBuffer:
         """Episodes of dispatched groups not yet finished (running, or waiting for a slot)."""
         self._ready: list[tuple[GroupTicket, TrajectoryGroup]] = []  # a heap, oldest first
         self._ended: list[EndedGroup] = []
-        self._changed = asyncio.Event()
-        self._progress_at = time.monotonic()
+        self._changes = Changes(stall_timeout_s, self.describe)
         self._idle_since: float | None = time.monotonic()
         self._idle_s = 0.0
 
@@ -227,7 +225,7 @@ class TrajectoryGroupBuffer:
 
     def add_episode(self, ticket: GroupTicket, episode: Episode) -> None:
         """One finished episode; the group ends when its `group_size`-th episode arrives."""
-        self._progress_at = time.monotonic()  # progress for the stall clock, short of a change
+        self._changes.progressed()  # progress for the stall clock, short of a change
         episodes = self._episodes.get(ticket.group_id)
         if episodes is None:  # the group was requeued as this episode finished
             self._discarded["episodes/discarded"] += 1
@@ -419,30 +417,9 @@ class TrajectoryGroupBuffer:
     async def wait_until(
         self, predicate: Callable[[], bool], what: str, *, stall_clock: bool = True
     ) -> None:
-        """Wait until `predicate()` holds; fail if nothing progresses for `stall_timeout_s`.
-
-        Every state change and every finished episode restarts the clock. `stall_clock=False`
-        waits without it, for waits that only the trainer itself can end (admission, while it
-        evaluates or saves).
-        """
-        limit = self._stall_timeout_s
-        since = time.monotonic()
-        while not predicate():
-            changed = self._changed
-            if not stall_clock:
-                await changed.wait()
-                continue
-            while not changed.is_set():
-                quiet_until = max(since, self._progress_at) + limit
-                try:
-                    async with asyncio.timeout(quiet_until - time.monotonic()):
-                        await changed.wait()
-                except TimeoutError:
-                    if self._progress_at + limit <= time.monotonic():
-                        raise StallError(
-                            f"waited {limit:g} s for {what} with no progress ({self.describe()}); "
-                            "raise trainer.stall_timeout_s if steps are legitimately this slow"
-                        ) from None
+        """Wait until `predicate()` holds (re-checked at every change of this buffer); fail
+        after `stall_timeout_s` with no progress, unless `stall_clock=False`."""
+        await self._changes.wait_until(predicate, what, stall_clock=stall_clock)
 
     def describe(self) -> str:
         """Who is where, for error messages: versions, groups generating, ready and taken."""
@@ -453,10 +430,7 @@ class TrajectoryGroupBuffer:
         )
 
     def _notify(self) -> None:
-        # Replace the event so each waiter re-checks its predicate exactly once per change.
-        self._progress_at = time.monotonic()
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._changes.changed()
 
 
 def _line(

@@ -143,7 +143,7 @@ class TrajectoryGroupBuffer:
         return self.coordinator.can_admit(spare=spare)
 
     def dispatch(self) -> tuple[GroupTicket, Task]:
-        """Admit one group (call only when `coordinator.can_admit()`); return it and its task."""
+        """Admit one group (call only when `can_admit(spare=...)`); return it and its task."""
         if self._redispatch:
             task, old_seq = self._redispatch.popleft()
             seq = self._new_seq() if old_seq is None else old_seq
@@ -158,6 +158,10 @@ class TrajectoryGroupBuffer:
             self._idle_s += time.monotonic() - self._idle_since
             self._idle_since = None
         return ticket, task
+
+    def generating(self, ticket: GroupTicket) -> bool:
+        """Whether the group of `ticket` still collects episodes (not ended, not requeued)."""
+        return ticket.group_id in self._episodes
 
     def running(self, ticket: GroupTicket, rollouts: list[asyncio.Task[None]]) -> None:
         """The tasks that run the episodes of a just dispatched group (cancelled if it expires)."""
@@ -225,14 +229,15 @@ class TrajectoryGroupBuffer:
 
     def add_episode(self, ticket: GroupTicket, episode: Episode) -> None:
         """One finished episode; the group ends when its `group_size`-th episode arrives."""
-        self._changes.progressed()  # progress for the stall clock, short of a change
-        episodes = self._episodes.get(ticket.group_id)
-        if episodes is None:  # the group was requeued as this episode finished
-            self._discarded["episodes/discarded"] += 1
-            return
+        episodes = self._episodes[ticket.group_id]
         self.episodes_running -= 1
         episodes.append(episode)
         if len(episodes) < self.group_size:
+            c = self.coordinator
+            if c.can_admit(spare=True) and not c.can_admit():
+                self._notify()  # a slot freed: the dispatcher may admit beyond the bound
+            else:
+                self._changes.progressed()  # progress for the stall clock, short of a change
             return
         del self._episodes[ticket.group_id]
         self._rollouts.pop(ticket.group_id, None)

@@ -61,11 +61,11 @@ class TrainingLoop:
         self.train_tasks = train_tasks
         self.eval_tasks = eval_tasks
         self.run_dir = run
+        self.rollouts = rollout_executor(config, workflow, backend)  # may refuse: first
         self.groups = TrajectoryGroupBuffer.for_config(config, train_tasks, run.append_ledger)
-        self.recorder = StepRecorder(config, metrics)
+        self.recorder = StepRecorder(config, metrics)  # starts the metrics writer thread
         self.slots = WorkflowSlots.for_config(config)
         self.calls = session.calls
-        self.rollouts = rollout_executor(config, workflow, backend)
         self.step = 0
         settings = config.trainer
         # Async mode trains a micro-batch as soon as it is ready; sync mode only a whole batch.
@@ -169,6 +169,8 @@ class TrainingLoop:
             episode, error, tokens = await self.rollouts.run(
                 task, index, version=ticket.version, seed=seed
             )
+        if not self.groups.generating(ticket):  # requeued, and its workflow ignored the cancel
+            return
         self.recorder.episode(episode, error, tokens)
         self.groups.add_episode(ticket, episode)
         if self.groups.unproductive_in_a_row >= settings.max_filtered_in_a_row:

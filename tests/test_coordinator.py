@@ -119,6 +119,15 @@ def test_extra_groups_are_admitted_only_while_generation_has_spare_capacity() ->
     assert c.extra == 1, "a group that expired ready lowers the allowance"
 
 
+def test_at_zero_staleness_no_group_goes_beyond_the_bound_into_a_full_window() -> None:
+    c = coordinator(max_staleness=0, batch_size=1, max_extra=2)
+    c.admit()
+    c.note_blocked()
+    assert c.can_admit(spare=True), "the window has room: one more may race the straggler"
+    c.take(0)
+    assert not c.can_admit(spare=True), "a full window: a group admitted now could never train"
+
+
 def test_the_trainer_passes_over_as_many_unfinished_groups_as_will_expire_anyway() -> None:
     c = coordinator(max_staleness=1, batch_size=1, max_extra=1)
     c.admit()
@@ -169,7 +178,7 @@ def test_a_group_that_misses_its_deadline_is_requeued_and_its_task_dispatched_ag
     assert c.alive == 0, "the straggler's slot is free"
     assert groups.take_discarded() == {"episodes/discarded": 1.0, "episodes/cancelled": 1.0}
     assert groups.in_flight()[-1] == (task.id, None), "its task waits, for a new number"
-    groups.add_episode(straggler, episode(1, reward=0.0))  # its last episode, too late
+    assert not groups.generating(straggler), "its episodes still running are cut, not added"
     again, again_task = groups.dispatch()
     assert again_task.id == task.id and again.seq == 2 and again.version == 1
     ended = asyncio.run(groups.write_ended(step=1))

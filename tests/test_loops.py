@@ -564,6 +564,36 @@ def test_the_metrics_sinks_close_when_the_backend_shutdown_or_the_loop_set_up_fa
     assert len(closed) == 2, "the sinks opened before the loop failed to set up"
 
 
+def test_a_failed_shutdown_is_noted_on_the_error_that_ends_the_run(
+    make_config: ConfigFactory,
+) -> None:
+    async def broken(task: Task, model: RolloutEngine) -> Trajectory:
+        raise ValueError("the workflow is broken")
+
+    class FailingShutdown(BanditBackend):
+        async def shutdown(self) -> None:
+            raise RuntimeError("shutdown failed")
+
+    with pytest.raises(ValueError, match="the workflow is broken") as raised:
+        fit(make_config(trainer={"total_steps": 2}), FailingShutdown(), workflow=broken)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "shutdown also failed" in notes, f"the shutdown's failure must not be lost: {notes!r}"
+
+
+def test_a_second_fit_refused_for_an_existing_run_leaves_the_first_run_in_place(
+    make_config: ConfigFactory,
+) -> None:
+    trainer = UnifiedTrainer(
+        make_config(trainer={"total_steps": 1}),
+        backend=BanditBackend(),
+        train_tasks=bandit_tasks(8),
+    )
+    run_dir = trainer.fit().run_dir
+    with pytest.raises(UsageError, match="already holds a run"):
+        trainer.fit()
+    assert (run_dir / "ledger.jsonl").exists(), "the finished run must survive a refused refit"
+
+
 def test_resuming_with_another_model_is_refused_and_leaves_the_run_as_it_was(
     make_config: ConfigFactory,
 ) -> None:

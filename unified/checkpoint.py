@@ -92,6 +92,7 @@ class RunDirectory:
         temporary directories of checkpoints a crash interrupted. `check_state` may refuse the
         checkpoint's state before anything of the run is changed.
         """
+        self.created = False  # of this call: a refused second `fit` must not remove the first run
         if self.path.exists() and not self.path.is_dir():
             raise UsageError(
                 f"run directory {str(self.path)!r} is a file; check logging.run_dir and name"

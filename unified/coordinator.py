@@ -38,13 +38,19 @@ class SyncCoordinator:
     """Owns the policy version and decides when a group may be admitted or trained."""
 
     def __init__(
-        self, *, batch_size: int, sync_every: int, max_staleness: int, max_extra: int = 0
+        self,
+        *,
+        batch_size: int,
+        sync_every: int,
+        max_staleness: int,
+        max_extra: int = 0,
+        steps_per_window: int | None = None,
     ) -> None:
         self.version = 0
         self.max_staleness = max_staleness
-        self.steps_per_window = sync_every
         self.sync_every = sync_every
-        self.slots_per_window = sync_every * batch_size
+        self.steps_per_window = sync_every if steps_per_window is None else steps_per_window
+        self.slots_per_window = self.steps_per_window * batch_size
         self.capacity = (1 + max_staleness) * self.slots_per_window
         self.max_extra = max_extra
         self.extra = 0
@@ -63,9 +69,12 @@ class SyncCoordinator:
         """
         trainer, async_ = config.trainer, config.async_
         if config.mode == "sync":
-            coordinator = cls(batch_size=trainer.batch_size, sync_every=1, max_staleness=0)
-            coordinator.sync_every = async_.sync_every
-            return coordinator
+            return cls(
+                batch_size=trainer.batch_size,
+                sync_every=async_.sync_every,
+                max_staleness=0,
+                steps_per_window=1,
+            )
         slots = async_.sync_every * trainer.batch_size
         return cls(
             batch_size=trainer.batch_size,
@@ -87,7 +96,9 @@ class SyncCoordinator:
     def can_admit(self, *, spare: bool = False) -> bool:
         """Whether one more group may be dispatched now (staleness and run length allow it);
         `spare`: generation has idle capacity, so up to `extra` more groups may go out."""
-        extra = self.extra if spare else 0
+        # At staleness 0 a group admitted into a full window can never train: no extra then.
+        full = self.max_staleness == 0 and self.taken >= self.slots_per_window
+        extra = self.extra if spare and not full else 0
         if self._alive_total + self.taken >= self.capacity + extra:
             return False
         return self.wanted is None or self._alive_total < self.wanted
@@ -135,7 +146,7 @@ class SyncCoordinator:
     def open_window(self, version: int) -> None:
         """Weights of `version` serve sampling from now on; a new window of slots opens.
 
-        Call `expire` next: groups whose deadline has passed must not stay alive."""
+        The buffer then requeues the groups whose deadline has passed."""
         self.version = version
         self.taken = 0
 

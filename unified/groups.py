@@ -26,8 +26,8 @@ from unified.checkpoint import LedgerEntry, TrainerState
 from unified.config import TrainerConfig
 from unified.coordinator import SyncCoordinator
 from unified.data import TaskSampler
-from unified.errors import StallError
 from unified.types import Episode, Task, TrajectoryGroup
+from unified.waiting import Changes
 
 __all__ = ["EndedGroup", "GroupTicket", "Outcome", "TrajectoryGroupBuffer"]
 
@@ -91,7 +91,6 @@ class TrajectoryGroupBuffer:
         self._discarded = {"episodes/discarded": 0.0, "episodes/cancelled": 0.0}
         self._sampler = tasks
         self._ledger = ledger
-        self._stall_timeout_s = stall_timeout_s
         # Tasks to dispatch before new ones, with their sequence number (None: a new one).
         self._redispatch: deque[tuple[Task, int | None]] = deque()
         # Every dispatched group not yet ended, by group id: its task and sequence number.
@@ -102,8 +101,7 @@ class TrajectoryGroupBuffer:
         """Episodes of dispatched groups not yet finished (running, or waiting for a slot)."""
         self._ready: list[tuple[GroupTicket, TrajectoryGroup]] = []  # a heap, oldest first
         self._ended: list[EndedGroup] = []
-        self._changed = asyncio.Event()
-        self._progress_at = time.monotonic()
+        self._changes = Changes(stall_timeout_s, self.describe)
         self._idle_since: float | None = time.monotonic()
         self._idle_s = 0.0
 
@@ -145,7 +143,7 @@ class TrajectoryGroupBuffer:
         return self.coordinator.can_admit(spare=spare)
 
     def dispatch(self) -> tuple[GroupTicket, Task]:
-        """Admit one group (call only when `coordinator.can_admit()`); return it and its task."""
+        """Admit one group (call only when `can_admit(spare=...)`); return it and its task."""
         if self._redispatch:
             task, old_seq = self._redispatch.popleft()
             seq = self._new_seq() if old_seq is None else old_seq
@@ -160,6 +158,10 @@ class TrajectoryGroupBuffer:
             self._idle_s += time.monotonic() - self._idle_since
             self._idle_since = None
         return ticket, task
+
+    def generating(self, ticket: GroupTicket) -> bool:
+        """Whether the group of `ticket` still collects episodes (not ended, not requeued)."""
+        return ticket.group_id in self._episodes
 
     def running(self, ticket: GroupTicket, rollouts: list[asyncio.Task[None]]) -> None:
         """The tasks that run the episodes of a just dispatched group (cancelled if it expires)."""
@@ -227,14 +229,15 @@ class TrajectoryGroupBuffer:
 
     def add_episode(self, ticket: GroupTicket, episode: Episode) -> None:
         """One finished episode; the group ends when its `group_size`-th episode arrives."""
-        self._progress_at = time.monotonic()  # progress for the stall clock, short of a change
-        episodes = self._episodes.get(ticket.group_id)
-        if episodes is None:  # the group was requeued as this episode finished
-            self._discarded["episodes/discarded"] += 1
-            return
+        episodes = self._episodes[ticket.group_id]
         self.episodes_running -= 1
         episodes.append(episode)
         if len(episodes) < self.group_size:
+            c = self.coordinator
+            if c.can_admit(spare=True) and not c.can_admit():
+                self._notify()  # a slot freed: the dispatcher may admit beyond the bound
+            else:
+                self._changes.progressed()  # progress for the stall clock, short of a change
             return
         del self._episodes[ticket.group_id]
         self._rollouts.pop(ticket.group_id, None)
@@ -419,30 +422,9 @@ class TrajectoryGroupBuffer:
     async def wait_until(
         self, predicate: Callable[[], bool], what: str, *, stall_clock: bool = True
     ) -> None:
-        """Wait until `predicate()` holds; fail if nothing progresses for `stall_timeout_s`.
-
-        Every state change and every finished episode restarts the clock. `stall_clock=False`
-        waits without it, for waits that only the trainer itself can end (admission, while it
-        evaluates or saves).
-        """
-        limit = self._stall_timeout_s
-        since = time.monotonic()
-        while not predicate():
-            changed = self._changed
-            if not stall_clock:
-                await changed.wait()
-                continue
-            while not changed.is_set():
-                quiet_until = max(since, self._progress_at) + limit
-                try:
-                    async with asyncio.timeout(quiet_until - time.monotonic()):
-                        await changed.wait()
-                except TimeoutError:
-                    if self._progress_at + limit <= time.monotonic():
-                        raise StallError(
-                            f"waited {limit:g} s for {what} with no progress ({self.describe()}); "
-                            "raise trainer.stall_timeout_s if steps are legitimately this slow"
-                        ) from None
+        """Wait until `predicate()` holds (re-checked at every change of this buffer); fail
+        after `stall_timeout_s` with no progress, unless `stall_clock=False`."""
+        await self._changes.wait_until(predicate, what, stall_clock=stall_clock)
 
     def describe(self) -> str:
         """Who is where, for error messages: versions, groups generating, ready and taken."""
@@ -453,10 +435,7 @@ class TrajectoryGroupBuffer:
         )
 
     def _notify(self) -> None:
-        # Replace the event so each waiter re-checks its predicate exactly once per change.
-        self._progress_at = time.monotonic()
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._changes.changed()
 
 
 def _line(

@@ -3,37 +3,29 @@
 Both modes are this one loop. A dispatcher admits groups whenever the buffer allows and runs each
 group's `group_size` workflows; the trainer takes ready groups oldest first, calls
 `forward_backward` on them (in async mode streamed, `micro_batch_size` groups at a time, while
-later groups still generate), `optim_step`, and when the coordinator says so `on_policy_updated`.
-That call is the trainer's only wait at a sync: workflows keep running through it, and what
-happens to a model request running at that moment is the backend's concern. Sync mode is the
-same loop at staleness 0 with an admission window of one step that trains only a whole batch,
-so generation and training alternate. Every task lives in a `TaskGroup` owned by `run`.
+later groups still generate), `optim_step`, and when the coordinator says so `on_policy_updated`:
+the trainer's only wait at a sync, through which workflows keep running. Sync mode is the same
+loop at staleness 0 with a window of one step that trains only a whole batch, so generation and
+training alternate. Every task lives in a `TaskGroup` owned by `run`.
 
-Who owns what: the `TrajectoryGroupBuffer` every group from admission to its ledger line (with
-its `SyncCoordinator`: the version, admission, when to sync); the `StepRecorder` the counters,
-timing and metrics lines; the loop only the order of things and the stop.
-
-`request_stop` (SIGINT/SIGTERM in `UnifiedTrainer.fit`) stops dispatch at once; the step in
-progress (between steps: the next one, whose groups may all be out already) still trains if its
-groups are ready within `trainer.stop_grace_s`, else it is abandoned without an optimizer step.
-Then a checkpoint holds everything not trained, to dispatch again.
+One owner per fact: the `TrajectoryGroupBuffer` (with its `SyncCoordinator`) every group from
+admission to its ledger line, and the version; the `StepRecorder` counters, timing and metrics
+lines; `GracefulStop` a stop request; the loop only the order of things.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig
 from unified.errors import TrainingStopped
 from unified.evaluation import evaluate
-from unified.executors import rollout_executor
+from unified.executors import fewer_young_collections, rollout_executor
 from unified.groups import GroupTicket, TrajectoryGroupBuffer
 from unified.metrics import MetricsAggregator
 from unified.recorder import StepRecorder
@@ -46,24 +38,6 @@ from unified.types import Task, TrajectoryGroup
 __all__ = ["TrainingLoop"]
 
 Item = tuple[GroupTicket, TrajectoryGroup]
-
-_YOUNG_COLLECTION_EVERY = 50_000
-
-
-@contextmanager
-def fewer_young_collections() -> Iterator[None]:
-    """Collect the youngest generation every 50,000 allocations instead of 700 while training.
-
-    Each episode allocates a few dozen short-lived objects, nearly all freed by reference
-    counting; at the default threshold the collector ran every ~20 episodes and cost a quarter
-    of the trainer's time per trajectory (`bench/overhead.py`). The old setting comes back after.
-    """
-    threshold = gc.get_threshold()
-    gc.set_threshold(max(threshold[0], _YOUNG_COLLECTION_EVERY), *threshold[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*threshold)
 
 
 class TrainingLoop:
@@ -87,11 +61,11 @@ class TrainingLoop:
         self.train_tasks = train_tasks
         self.eval_tasks = eval_tasks
         self.run_dir = run
+        self.rollouts = rollout_executor(config, workflow, backend)  # may refuse: first
         self.groups = TrajectoryGroupBuffer.for_config(config, train_tasks, run.append_ledger)
-        self.recorder = StepRecorder(config, metrics)
+        self.recorder = StepRecorder(config, metrics)  # starts the metrics writer thread
         self.slots = WorkflowSlots.for_config(config)
         self.calls = session.calls
-        self.rollouts = rollout_executor(config, workflow, backend)
         self.step = 0
         settings = config.trainer
         # Async mode trains a micro-batch as soon as it is ready; sync mode only a whole batch.
@@ -195,6 +169,8 @@ class TrainingLoop:
             episode, error, tokens = await self.rollouts.run(
                 task, index, version=ticket.version, seed=seed
             )
+        if not self.groups.generating(ticket):  # requeued, and its workflow ignored the cancel
+            return
         self.recorder.episode(episode, error, tokens)
         self.groups.add_episode(ticket, episode)
         if self.groups.unproductive_in_a_row >= settings.max_filtered_in_a_row:

@@ -63,10 +63,9 @@ class StepRecorder:
 
     def ended(self, groups: Sequence[EndedGroup]) -> None:
         """Groups that ended untrained: `groups/<outcome>`, and the rewards of those that ran."""
-        for group in groups:
+        for group in groups:  # (a requeued group has no rewards: its task runs again)
             self.metrics.record(f"groups/{group.outcome}", 1.0)
-            if group.outcome != "requeued":  # its episodes run again: their rewards count then
-                self._record_rewards(group.rewards)
+            self._record_rewards(group.rewards)
 
     def forward_reply(self, reply: dict[str, float]) -> None:
         """A `forward_backward` reply: its metrics, and whether its loss was finite."""

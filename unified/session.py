@@ -16,6 +16,7 @@ from pathlib import Path
 
 from unified.backend_calls import BackendCalls
 from unified.config import TrainerConfig
+from unified.errors import first_cause
 from unified.protocol import BackendProtocol
 
 __all__ = ["BackendSession", "backend_session"]
@@ -69,4 +70,5 @@ async def backend_session(
         except Exception as failure:
             if error is None:
                 raise
-            error.add_note(f"unified: the backend's shutdown also failed: {failure!r}")
+            # On the cause, not a task group around it: the command raises the cause.
+            first_cause(error).add_note(f"unified: the backend's shutdown also failed: {failure!r}")

@@ -74,7 +74,8 @@ class UnifiedTrainer:
         check_fields(self.train_tasks, fields, what="data.train")
         check_fields(self.eval_tasks, fields, what="data.eval")
         self.run = RunDirectory(self.config.run_path)
-        self._loop: TrainingLoop | None = None
+        self._loop: TrainingLoop | None = None  # while it runs: a signal stops it
+        self._built: TrainingLoop | None = None  # once built: its sinks are closed at the end
         self._stop_signal: int | None = None
         self._shutting_down = False  # the loop has ended: a signal now only cuts the shutdown
 
@@ -128,24 +129,13 @@ class UnifiedTrainer:
         """
         loop: TrainingLoop | None = None
         error: BaseException | None = None
+        self._built = None
         try:
             describe = "before training: no group dispatched yet"
             async with backend_session(self.backend, self.config, describe=describe) as s:
-                self.config = await asyncio.to_thread(resolve_model, self.config)
-                checkpoint = await asyncio.to_thread(
-                    self.run.create,
-                    self.config.to_yaml(),
-                    resume=self.config.resume,
-                    check_state=self._same_task_order,
-                )
-                loop = self._loop = await self._new_loop(s)
-                if self._stop_signal is not None:
-                    loop.request_stop(self._stop_signal)
                 try:
-                    await s.setup(self.config, loads_checkpoint=checkpoint is not None)
-                    await loop.start(checkpoint)
-                    await loop.run()
-                finally:
+                    loop = await self._train(s)
+                finally:  # the backend's shutdown follows: a signal now only cuts it short
                     self._loop = None
                     self._shutting_down = True
                 if loop.stop_signal is not None and not loop.finished:
@@ -154,8 +144,7 @@ class UnifiedTrainer:
             error = first_cause(group)
         except BaseException as e:
             error = e
-        finally:
-            self._shutting_down = True
+        loop = loop or self._built
         if loop is not None:  # after the backend's shutdown, whatever it did: metrics all out
             try:
                 await loop.close()
@@ -169,6 +158,24 @@ class UnifiedTrainer:
             raise error
         assert loop is not None
         return TrainResult(steps=loop.step, metrics=loop.last_metrics, run_dir=self.run.path)
+
+    async def _train(self, session: BackendSession) -> TrainingLoop:
+        """Resolve the model, make the run directory, build the loop, set the backend up, and
+        train; the loop is kept in `_built` as soon as it exists, for closing its sinks."""
+        self.config = await asyncio.to_thread(resolve_model, self.config)
+        checkpoint = await asyncio.to_thread(
+            self.run.create,
+            self.config.to_yaml(),
+            resume=self.config.resume,
+            check_state=self._same_task_order,
+        )
+        loop = self._loop = self._built = await self._new_loop(session)
+        if self._stop_signal is not None:
+            loop.request_stop(self._stop_signal)
+        await session.setup(self.config, loads_checkpoint=checkpoint is not None)
+        await loop.start(checkpoint)
+        await loop.run()
+        return loop
 
     async def _new_loop(self, session: BackendSession) -> TrainingLoop:
         """The run's loop, writing to the metrics sinks of the config (closed if it fails)."""

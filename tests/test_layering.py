@@ -5,7 +5,8 @@
 - No module under `backends/<x>/` imports `backends.<y>`: what backends share lives in the torch
   kit (`torchkit/`).
 - `torchkit/` imports only `unified` (and torch, transformers, ...); `tinker_server/` imports
-  `unified` and `torchkit`; neither imports `backends`.
+  `unified` and `torchkit`; neither imports `backends`. `gateway/` imports `unified` and
+  `workflows` (the tool-call format) only.
 - Every entry point in pyproject.toml names a module of this checkout that defines it.
 - Importing a type loads no trainer (`unified/__init__.py` is lazy), and no module of `unified/`
   imports one that imports it back.
@@ -27,7 +28,17 @@ ROOT = Path(__file__).resolve().parent.parent
 UNIFIED = ROOT / "unified"
 # The project's own top-level packages (anything else imported is a third-party library).
 PROJECT = frozenset(
-    {"unified", "backends", "torchkit", "tinker_server", "workflows", "examples", "tests", "bench"}
+    {
+        "unified",
+        "backends",
+        "torchkit",
+        "tinker_server",
+        "gateway",
+        "workflows",
+        "examples",
+        "tests",
+        "bench",
+    }
 )
 
 
@@ -110,8 +121,13 @@ def test_no_backend_imports_another_backend() -> None:
     [
         ("torchkit", {"unified", "torchkit"}),
         ("tinker_server", {"unified", "torchkit", "tinker_server"}),
+        # The gateway serves any backend's engine: it knows the core and the tool-call format.
+        ("gateway", {"unified", "gateway", "workflows"}),
         # The core finds backends and contributed commands through entry points.
-        ("unified", PROJECT - {"backends", "torchkit", "tinker_server", "tests", "bench"}),
+        (
+            "unified",
+            PROJECT - {"backends", "torchkit", "tinker_server", "gateway", "tests", "bench"},
+        ),
     ],
 )
 def test_a_package_imports_only_the_layers_below_it(package: str, allowed: set[str]) -> None:

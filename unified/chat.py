@@ -20,18 +20,23 @@ def chat_prompt_ids(
     messages: Sequence[Mapping[str, Any]],
     *,
     add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of `messages` rendered by the tokenizer's chat template, as a flat list.
 
     transformers 5 `apply_chat_template(..., tokenize=True)` returns a `BatchEncoding` by default
     (`return_dict=True`); this asks for a list and still unwraps a mapping, so the result is a
-    `list[int]` for any tokenizer with a chat template.
+    `list[int]` for any tokenizer with a chat template. `tools` (OpenAI function declarations)
+    go to the template, which declares them as it was trained to (an OpenAI-compatible gateway
+    passes a request's `tools` here).
     """
+    extra: dict[str, Any] = {"tools": [dict(tool) for tool in tools]} if tools else {}
     encoded = tokenizer.apply_chat_template(
         [dict(message) for message in messages],
         add_generation_prompt=add_generation_prompt,
         tokenize=True,
         return_dict=False,
+        **extra,
     )
     if isinstance(encoded, Mapping):
         encoded = encoded["input_ids"]

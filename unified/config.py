@@ -294,6 +294,11 @@ class TrainerConfig(_Section):
     )
     mode: Literal["sync", "async"] = Field("sync", description="Training loop.")
     workflow: str = Field(description="Import path of the workflow: module:Class or module:fn.")
+    workflow_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the workflow class, given to it for every episode "
+        "(e.g. the agent of workflows.agent:AgentWorkflow).",
+    )
     model: str = Field(
         "builtin:tiny",
         description="Built-in model (builtin:tiny), local HF directory, a service's model name, "

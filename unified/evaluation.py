@@ -25,6 +25,7 @@ from unified.rollout import (
     WorkflowSlots,
     resolve_workflow,
     run_episode,
+    workflow_serving,
 )
 from unified.session import backend_session
 from unified.types import Episode, SamplingParams, Task
@@ -70,7 +71,7 @@ async def evaluate(
             )
         episodes.append(episode)
 
-    async with asyncio.TaskGroup() as tg:
+    async with workflow_serving(workflow), asyncio.TaskGroup() as tg:
         for index, task in enumerate(tasks):
             tg.create_task(one(index, task))
     rewards = [e.reward for e in episodes if e.status == "ok"]
@@ -127,7 +128,7 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
     """
     if not config.data.eval:
         raise ConfigError("unified eval needs eval tasks: set data.eval (a file or a generator)")
-    workflow = resolve_workflow(config.workflow)
+    workflow = resolve_workflow(config.workflow, config.workflow_args)
     backend = create_backend(config.backend)
     config = await asyncio.to_thread(resolve_model, config)
     tasks = await asyncio.to_thread(load_eval_tasks, config.data)

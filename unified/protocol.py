@@ -69,6 +69,7 @@ class ChatTokenizer(Protocol):
         add_generation_prompt: bool,
         tokenize: bool,
         return_dict: bool,
+        **kwargs: Any,
     ) -> Any: ...
 
 
@@ -113,10 +114,20 @@ class RolloutEngine(ABC):
     async def complete(self, prompt_ids: list[int], **sampling: Any) -> ModelOutput:
         """Sample a continuation of raw token ids."""
 
+    @property
+    def sampling_defaults(self) -> SamplingParams:
+        """The settings a request gets unless it overrides them (the run's train or eval ones)."""
+        return SamplingParams()
+
     def encode_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of `messages` under the chat template (what `chat` sends to the model)."""
+        """Token ids of `messages` (and the OpenAI function `tools` declared to the model) under
+        the chat template (what `chat` sends to the model)."""
         raise NotImplementedError(f"{type(self).__name__} does not expose its chat template")
 
 

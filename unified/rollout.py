@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import inspect
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from asyncio_throttle.throttler import Throttler
@@ -40,6 +40,7 @@ __all__ = [
     "required_fields",
     "resolve_workflow",
     "run_episode",
+    "workflow_serving",
 ]
 
 WorkflowFn = Callable[[Task, RolloutEngine], Awaitable[Any]]
@@ -74,11 +75,22 @@ class SamplingEngine(RolloutEngine):
     def tokenizer(self) -> Tokenizer:
         return cast(Tokenizer, self._sampler.tokenizer)  # see `ChatTokenizer`
 
+    @property
+    def sampling_defaults(self) -> SamplingParams:
+        return self._defaults
+
     def encode_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         return chat_prompt_ids(
-            self._sampler.tokenizer, messages, add_generation_prompt=add_generation_prompt
+            self._sampler.tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
         )
 
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ModelOutput:
@@ -142,31 +154,66 @@ class WorkflowSlots:
         self._free.release()
 
 
-def resolve_workflow(workflow: Any) -> WorkflowFn:
+def resolve_workflow(workflow: Any, args: Mapping[str, Any] | None = None) -> WorkflowFn:
     """Turn an import path, a Workflow class or instance, or an async function into a callable.
 
-    A class is instantiated afresh for every episode, so workflows may keep per-run state.
+    A class is instantiated afresh for every episode, with `args` (the config's
+    `workflow_args`) as keyword arguments, so workflows may keep per-run state. A workflow that
+    declares `serving()` (an async context manager, e.g. `AgentWorkflow`'s gateway) keeps it on
+    the callable, for `workflow_serving`.
     """
     if isinstance(workflow, str):
         workflow = import_object(workflow, what="workflow")
+    args = dict(args or {})
     if inspect.isclass(workflow):
         cls: Any = workflow
         if not inspect.iscoroutinefunction(getattr(cls, "run", None)):
             raise UsageError(f"workflow class {cls.__name__} needs an `async def run(task, model)`")
+        try:
+            inspect.signature(cls).bind(**args)
+        except TypeError as e:
+            raise UsageError(f"workflow_args do not fit {cls.__name__}: {e}") from None
 
         async def run_fresh(task: Task, model: RolloutEngine) -> Any:
-            return await cls().run(task, model)
+            return await cls(**args).run(task, model)
 
-        return run_fresh
+        return _with_serving(run_fresh, cls)
+    if args:
+        raise UsageError(
+            f"workflow_args are given to a workflow class; {workflow!r} is not one: drop them"
+        )
     run = getattr(workflow, "run", None)
     if inspect.iscoroutinefunction(run):
-        return run
+        return _with_serving(run, workflow)
     if inspect.iscoroutinefunction(workflow):
         fn: WorkflowFn = workflow
         return fn
     raise UsageError(
         f"workflow {workflow!r} is not an async function or a class with `async def run`"
     )
+
+
+def _with_serving(run: WorkflowFn, owner: Any) -> WorkflowFn:
+    serving = getattr(owner, "serving", None)
+    if serving is None:
+        return run
+
+    async def serve(task: Task, model: RolloutEngine) -> Any:
+        return await run(task, model)
+
+    serve.serving = serving  # type: ignore[attr-defined]
+    return serve
+
+
+def workflow_serving(workflow: WorkflowFn) -> contextlib.AbstractAsyncContextManager[object]:
+    """What `workflow` needs running while its episodes run (its `serving()`, e.g. the gateway
+    of `AgentWorkflow`), or nothing. Entered around the rollouts of a run and of an evaluation.
+    """
+    serving = getattr(workflow, "serving", None)
+    if serving is None:
+        return contextlib.nullcontext()
+    manager: contextlib.AbstractAsyncContextManager[object] = serving()
+    return manager
 
 
 def required_fields(workflow: Any) -> tuple[str, ...]:
@@ -305,7 +352,7 @@ class InProcessRollouts:
         self._deadlines = deadlines
 
     def serving(self) -> contextlib.AbstractAsyncContextManager[object]:
-        return contextlib.nullcontext()
+        return workflow_serving(self._workflow)
 
     async def run(self, task: Task, index: int, *, version: int, seed: int) -> EpisodeResult:
         engine = SamplingEngine(self._sampler(), self._sampling, seed)

@@ -60,8 +60,10 @@ class UnifiedTrainer:
         self.config = load_config(config)
         check_rl_groups(self.config)
         model_provider(self.config.model)  # imports now; fit() builds, so a bad path fails fast
-        self.workflow: WorkflowFn = resolve_workflow(
-            workflow if workflow is not None else self.config.workflow
+        self.workflow: WorkflowFn = (
+            resolve_workflow(workflow)
+            if workflow is not None
+            else resolve_workflow(self.config.workflow, self.config.workflow_args)
         )
         self.backend = backend if backend is not None else create_backend(self.config.backend)
         check_capabilities(self.config, self.backend)

@@ -14,7 +14,8 @@ sequence. A request that rewrites history is templated afresh; it starts a new s
 **Tool calls.** With `tools` in the request, `<tool_call>{...}</tool_call>` blocks in the reply
 (the Hermes/Qwen format, `workflows.tool_calls`) come back as OpenAI `tool_calls`, the text around
 them as `content`; a malformed block stays in the content, as OpenAI-compatible servers do, and is
-counted (`Step.info["tool_errors"]`).
+counted (`Step.info["tool_errors"]`). With `declare_tools` off the template does not declare the
+tools (a model that learnt them, in a short context); their calls still parse.
 
 **Sampling.** The rollout's settings (train or eval) are the trainer's: `temperature`, `top_p`
 and `seed` a client sends are overridden (counted in `overridden`), since a rollout sampled at
@@ -65,8 +66,17 @@ class AgentSession:
     cancels calls still being served and turns later requests away.
     """
 
-    def __init__(self, session_id: str, api_key: str, engine: RolloutEngine, model: str) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        api_key: str,
+        engine: RolloutEngine,
+        model: str,
+        *,
+        declare_tools: bool = True,
+    ) -> None:
         self.id = session_id
+        self.declare_tools = declare_tools
         self.api_key = api_key
         self.model = model
         self.engine = engine
@@ -85,7 +95,8 @@ class AgentSession:
     async def chat(self, request: ChatRequest) -> dict[str, Any]:
         """Serve one chat completion and record it as a step."""
         tools = request.tools or None
-        prompt_ids, spliced = self._prompt(request.messages, tools)
+        declared = tools if self.declare_tools else None
+        prompt_ids, spliced = self._prompt(request.messages, declared)
         limit = request.completion_limit()
         output = await self._serve(lambda: self._sample(prompt_ids, request, limit))
         parse = tools is not None and request.tool_choice != "none"
@@ -104,7 +115,7 @@ class AgentSession:
                 },
             )
         )
-        self._calls.append(_Call(request.messages, tools, message, output))
+        self._calls.append(_Call(request.messages, declared, message, output))
         self._last = output
         return completion(
             "chat.completion",

@@ -364,3 +364,26 @@ def test_an_openai_agent_trains_through_agent_workflow_on_the_local_backend(
         "the gateway's logprobs are the trainer's: the recorded tokens are the sampled ones"
     )
     assert "rollout/tool_use" in metrics and "eval/tool_use" in metrics, "tool calls counted"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("", None),
+        ("workflow_args.agent=examples.countdown.openai_agent:nope", "has no attribute 'nope'"),
+        ("workflow_args.agnt=x", "unexpected keyword argument 'agnt'"),
+        ("workflow_args.agent=examples.countdown.openai_agent:CALC", "not an async function"),
+    ],
+)
+def test_the_openai_agent_example_config_checks_its_agent_at_start_up(
+    capsys: pytest.CaptureFixture[str], override: str, expected: str | None
+) -> None:
+    from unified.cli import main
+
+    config = Path(__file__).parent.parent / "examples/countdown/local_openai_agent_sync.yaml"
+    code = main(["train", str(config), "--dry-run", *([override] if override else [])])
+    err = capsys.readouterr().err
+    if expected is None:
+        assert code == 0, err
+    else:
+        assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err

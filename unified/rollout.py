@@ -169,10 +169,12 @@ def resolve_workflow(workflow: Any, args: Mapping[str, Any] | None = None) -> Wo
         cls: Any = workflow
         if not inspect.iscoroutinefunction(getattr(cls, "run", None)):
             raise UsageError(f"workflow class {cls.__name__} needs an `async def run(task, model)`")
-        try:
-            inspect.signature(cls).bind(**args)
-        except TypeError as e:
-            raise UsageError(f"workflow_args do not fit {cls.__name__}: {e}") from None
+        if args:  # one instance now: a bad argument fails at start-up, not in every episode
+            try:
+                inspect.signature(cls).bind(**args)
+                cls(**args)
+            except (TypeError, UsageError) as e:
+                raise UsageError(f"workflow_args do not fit {cls.__name__}: {e}") from None
 
         async def run_fresh(task: Task, model: RolloutEngine) -> Any:
             return await cls(**args).run(task, model)

@@ -11,7 +11,7 @@ with `reward` and, optionally, `correct` (what evaluation counts as solved) and 
 Config:
 
     workflow: workflows.agent:AgentWorkflow
-    workflow_args: {agent: examples.countdown.openai_agent:solve}
+    workflow_args: {agent: examples.countdown.openai_agent:solve, declare_tools: false}
 
 The workflow rules hold as for any workflow: the run's deadline (`workflow_timeout_s`) cancels
 an agent that never returns, and its session closes with it; an agent that raises is an error
@@ -43,7 +43,7 @@ class AgentWorkflow:
     serving = staticmethod(Gateway.serving)
     """The trainer keeps one gateway running around its rollouts (`workflow_serving`)."""
 
-    def __init__(self, agent: str | AgentFn) -> None:
+    def __init__(self, agent: str | AgentFn, *, declare_tools: bool = True) -> None:
         fn = import_object(agent, what="agent") if isinstance(agent, str) else agent
         if not inspect.iscoroutinefunction(fn):
             raise UsageError(
@@ -51,9 +51,15 @@ class AgentWorkflow:
                 "api_key)`"
             )
         self.agent: AgentFn = fn
+        self.declare_tools = declare_tools
+        """Render a request's `tools` into the prompt (the chat template's declaration); off
+        for a model that learnt its tools without one (a short context). Calls parse either way."""
 
     async def run(self, task: Task, model: RolloutEngine) -> Trajectory:
-        async with Gateway.serving() as gateway, gateway.session(model) as session:
+        async with (
+            Gateway.serving() as gateway,
+            gateway.session(model, declare_tools=self.declare_tools) as session,
+        ):
             result = await self.agent(task, gateway.base_url(session), session.api_key)
             steps = list(session.steps)
         if not steps:

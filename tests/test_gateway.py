@@ -387,3 +387,54 @@ def test_the_openai_agent_example_config_checks_its_agent_at_start_up(
         assert code == 0, err
     else:
         assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+
+
+async def test_an_openai_agents_sdk_agent_runs_through_the_gateway_token_for_token(
+    gateway: Gateway,
+) -> None:
+    from examples.countdown import agents_sdk_agent
+
+    miss = '<tool_call>{"name": "calc", "arguments": {"expr": "3*7+1"}}</tool_call>'
+    engine = SamplingEngine(ScriptedSampler([miss, "3*7+12"]))
+    task = Task(id="t", data={"numbers": [3, 7, 12], "target": 33})
+    async with gateway.session(engine, declare_tools=False) as session:
+        result = await agents_sdk_agent.solve(task, gateway.base_url(session), session.api_key)
+    assert result == {"reward": 1.0, "correct": True, "checks": 2}
+    first, second = session.steps
+    assert first.info["tool_calls"] == 1 and second.messages[-1]["role"] == "tool"
+    assert second.messages[-1]["content"] == "22", "the SDK ran calc on the parsed arguments"
+    assert second.info["spliced"] and second.info["extends_previous"]
+    assert len(Trajectory(steps=session.steps, reward=1.0).sequences()) == 1
+
+
+def test_an_openai_agent_trains_through_agent_workflow_on_the_tinker_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No URL and no key: the tinker backend starts its own local Tinker-compatible server."""
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    config = {
+        "name": "agent-tinker",
+        "backend": "tinker",
+        "model": "builtin:tiny",
+        "workflow": "workflows.agent:AgentWorkflow",
+        "workflow_args": {"agent": "tests.test_gateway:calc_agent"},
+        "trainer": {
+            "total_steps": 2,
+            "batch_size": 2,
+            "group_size": 2,
+            "lr": 1e-3,
+            "eval_every": 0,
+            "eval_before_train": False,
+            "save_every": 0,
+            "workflow_timeout_s": 120,
+            "stall_timeout_s": 300,
+        },
+        "sampling": {"train": {"max_tokens": 8}},
+        "tinker": {"lora_rank": 8, "request_timeout_s": 300},
+        "logging": {"run_dir": str(tmp_path), "console": False},
+    }
+    tasks = [Task(id=str(i), data={"prompt": f"{i} 3 -> 33"}) for i in range(8)]
+    result = UnifiedTrainer(config, train_tasks=tasks).fit()
+    metrics = result.metrics
+    assert result.steps == 2 and metrics["episodes/errors"] == 0
+    assert metrics["groups/trained"] == 2 and "rollout/tool_use" in metrics

@@ -44,7 +44,7 @@ from gateway.session import AgentSession
 from unified.errors import UsageError
 from unified.protocol import RolloutEngine
 
-__all__ = ["Gateway"]
+__all__ = ["Gateway", "shared_gateway"]
 
 _M = TypeVar("_M", ChatRequest, CompletionRequest)
 _CURRENT: ContextVar[Gateway | None] = ContextVar("unified_gateway", default=None)
@@ -194,6 +194,12 @@ class Gateway:
         self._session(request)
         model = {"id": self.model, "object": "model", "created": 0, "owned_by": "unified"}
         return JSONResponse({"object": "list", "data": [model]})
+
+
+def shared_gateway() -> contextlib.AbstractAsyncContextManager[Gateway]:
+    """`Gateway.serving()` as a module-level function, which pickles by reference: what
+    `AgentWorkflow.serving` names, so the workflow travels to Ray rollout workers."""
+    return Gateway.serving()
 
 
 async def _started(server: uvicorn.Server, serve: asyncio.Task[None]) -> None:

@@ -438,3 +438,38 @@ def test_an_openai_agent_trains_through_agent_workflow_on_the_tinker_backend(
     metrics = result.metrics
     assert result.steps == 2 and metrics["episodes/errors"] == 0
     assert metrics["groups/trained"] == 2 and "rollout/tool_use" in metrics
+
+
+def test_an_openai_agent_trains_on_a_ray_rollout_worker(tmp_path: Path) -> None:
+    """On a worker the agent's gateway runs in the worker's process, one per episode."""
+    import ray
+
+    from unified.ray_runtime import start_local_ray
+
+    start_local_ray(num_cpus=2)
+    try:
+        config = {
+            "name": "agent-ray",
+            "backend": "local",
+            "model": "builtin:tiny",
+            "workflow": "workflows.agent:AgentWorkflow",
+            "workflow_args": {"agent": "tests.test_gateway:calc_agent"},
+            "rollout": {"workers": 1, "worker_cpus": 0.5},
+            "trainer": {
+                "total_steps": 1,
+                "batch_size": 2,
+                "group_size": 2,
+                "eval_every": 0,
+                "eval_before_train": False,
+                "save_every": 0,
+                "workflow_timeout_s": 60,
+            },
+            "sampling": {"train": {"max_tokens": 8}},
+            "logging": {"run_dir": str(tmp_path), "console": False},
+        }
+        tasks = [Task(id=str(i), data={"prompt": f"{i} 3 -> 33"}) for i in range(8)]
+        result = UnifiedTrainer(config, train_tasks=tasks).fit()
+    finally:
+        ray.shutdown()
+    assert result.steps == 1 and result.metrics["episodes/errors"] == 0
+    assert result.metrics["groups/trained"] == 2

@@ -25,7 +25,7 @@ import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from gateway.server import Gateway
+from gateway.server import Gateway, shared_gateway
 from unified.errors import UsageError, WorkflowError
 from unified.imports import import_object
 from unified.protocol import RolloutEngine
@@ -40,7 +40,7 @@ AgentFn = Callable[[Task, str, str], Awaitable[Any]]
 class AgentWorkflow:
     """One rollout of an OpenAI-client agent: a gateway session, the agent's run, its steps."""
 
-    serving = staticmethod(Gateway.serving)
+    serving = staticmethod(shared_gateway)
     """The trainer keeps one gateway running around its rollouts (`workflow_serving`)."""
 
     def __init__(self, agent: str | AgentFn, *, declare_tools: bool = True) -> None:

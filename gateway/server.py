@@ -12,7 +12,7 @@ is OpenAI's error JSON with a 4xx or 5xx, never a dropped connection.
 
 `Gateway.serving()` is the hook a workflow that needs a gateway declares (`AgentWorkflow`): the
 trainer enters it around its rollouts (`unified.rollout.workflow_serving`); nested, it reuses the
-gateway already running, which `Gateway.current()` returns.
+gateway already running in this context.
 """
 
 from __future__ import annotations
@@ -81,17 +81,6 @@ class Gateway:
                 Exception: _server_error,
             },
         )
-
-    @classmethod
-    def current(cls) -> Gateway:
-        """The gateway the running rollouts share (entered with `serving()`)."""
-        gateway = _CURRENT.get()
-        if gateway is None:
-            raise UsageError(
-                "no gateway is running: an agent workflow runs inside the trainer, which starts "
-                "one (or enter `async with Gateway.serving():` around it)"
-            )
-        return gateway
 
     @classmethod
     @contextlib.asynccontextmanager

@@ -39,6 +39,7 @@ from gateway.api import (
     GatewayError,
     completion,
 )
+from unified.errors import UsageError
 from unified.protocol import RolloutEngine
 from unified.types import ModelOutput, Step
 from workflows.tool_calls import TOOL_CALL_END, TOOL_CALL_START, parse_tool_calls
@@ -179,7 +180,10 @@ class AgentSession:
             or request.seed is not None
         ):
             self.overridden += 1
-        return await self.engine.complete(prompt_ids, **sampling)
+        try:
+            return await self.engine.complete(prompt_ids, **sampling)
+        except UsageError as e:  # the engine refuses the request itself: too long, say
+            raise GatewayError(400, str(e), param="messages") from None
 
     def _prompt(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None

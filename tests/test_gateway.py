@@ -200,6 +200,18 @@ async def test_the_trainers_sampling_settings_win_and_max_tokens_and_stop_are_th
     assert session.overridden == 1
 
 
+async def test_a_prompt_past_the_models_positions_is_a_400_naming_the_limit(
+    gateway: Gateway, tiny: BatchingSampler
+) -> None:
+    engine = SamplingEngine(tiny, SamplingParams(max_tokens=8))
+    async with gateway.session(engine) as session:
+        with pytest.raises(openai.BadRequestError, match="exceeds the model's 256 positions"):
+            await client(gateway, session).chat.completions.create(
+                model="p", messages=user("9" * 300)
+            )
+    assert not session.steps
+
+
 async def test_concurrent_sessions_keep_their_own_calls(
     gateway: Gateway, tiny: BatchingSampler
 ) -> None:

@@ -153,14 +153,20 @@ class AgentSession:
         )
 
     async def _serve(self, call: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
-        """Run `call` as a call of this session: `close()` cancels it (the client gets a 404)."""
+        """Run `call` as a call of this session: `close()` cancels it (the client gets a 404).
+
+        Both tasks are owned here and awaited before returning; the wait ends when the call does
+        or when the session closes (at the rollout's deadline at the latest)."""
         if self._closed.is_set():
             raise _closed(self.id)
-        async with asyncio.TaskGroup() as tg:
-            work = tg.create_task(call())
-            closed = tg.create_task(self._closed.wait())
+        work = asyncio.ensure_future(call())
+        closed = asyncio.ensure_future(self._closed.wait())
+        try:
             await asyncio.wait((work, closed), return_when=asyncio.FIRST_COMPLETED)
-            (closed if work.done() else work).cancel()
+        finally:
+            work.cancel()  # a no-op once it is done
+            closed.cancel()
+            await asyncio.gather(work, closed, return_exceptions=True)
         if work.cancelled():
             raise _closed(self.id)
         return work.result()

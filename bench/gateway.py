@@ -7,7 +7,9 @@ A zero-latency sampler (every request returns the same 16-token reply at once) u
 - gateway: the same calls from the real `openai.AsyncOpenAI` client through `Gateway` (HTTP on
   127.0.0.1, request validation, the template, the session's recording, the JSON answer);
 - concurrent: `--sessions` sessions open at once, each making `--turns` chat calls that extend
-  the conversation (tool results included), all on one gateway.
+  the conversation (tool results included), all on one gateway; each agent re-points one shared
+  client (`with_options`), then, for comparison, builds its own `AsyncOpenAI` (which loads the
+  CA bundle: the cost an agent written that way puts on the trainer's event loop).
 
 The overhead per call is the difference of the medians of `--rounds` rounds (target <= 2 ms).
 
@@ -79,7 +81,9 @@ async def through_gateway(gateway: Gateway, calls: int) -> float:
     return elapsed / calls
 
 
-async def concurrent(gateway: Gateway, sessions: int, turns: int) -> dict[str, float]:
+async def concurrent(
+    gateway: Gateway, sessions: int, turns: int, *, own_client: bool = False
+) -> dict[str, float]:
     """`sessions` agents at once, each `turns` calls extending one conversation."""
     held = 0
     spliced = 0
@@ -89,7 +93,12 @@ async def concurrent(gateway: Gateway, sessions: int, turns: int) -> dict[str, f
         nonlocal held, spliced
         async with gateway.session(SamplingEngine(InstantSampler())) as session:
             held = max(held, len(gateway.sessions))
-            api = client.with_options(base_url=gateway.base_url(session), api_key=session.api_key)
+            url, key = gateway.base_url(session), session.api_key
+            api = (
+                openai.AsyncOpenAI(base_url=url, api_key=key)
+                if own_client
+                else client.with_options(base_url=url, api_key=key)
+            )
             history = messages()
             for _ in range(turns):
                 reply = await api.chat.completions.create(model="policy", messages=history)
@@ -120,6 +129,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             plain.append(await direct(args.calls))
             served.append(await through_gateway(gateway, args.calls))
         many = await concurrent(gateway, args.sessions, args.turns)
+        own = await concurrent(gateway, args.sessions, args.turns, own_client=True)
     direct_s, gateway_s = statistics.median(plain), statistics.median(served)
     overhead_ms = (gateway_s - direct_s) * 1e3
     print(f"direct engine.chat     {direct_s * 1e3:8.3f} ms per call (median of {args.rounds})")
@@ -131,7 +141,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         f"once, {many['calls_per_s']:.0f} calls/s, {many['spliced_share']:.0%} of follow-up "
         f"prompts spliced token for token, {many['seconds']:.2f} s"
     )
+    print(
+        f"... with a new AsyncOpenAI per agent instead: {own['calls_per_s']:.0f} calls/s "
+        f"({many['calls_per_s'] / own['calls_per_s']:.1f}x slower), {own['seconds']:.2f} s"
+    )
     return {
+        "own_client_calls_per_s": own["calls_per_s"],
         "direct_ms": direct_s * 1e3,
         "gateway_ms": gateway_s * 1e3,
         "overhead_ms": overhead_ms,

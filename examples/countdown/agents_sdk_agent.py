@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import openai
 from agents import (
     Agent,
     FunctionToolResult,
@@ -31,7 +30,7 @@ from agents import (
     function_tool,
 )
 
-from examples.countdown.openai_agent import MAX_TURNS, calc, score
+from examples.countdown.openai_agent import MAX_TURNS, calc, client_for, score
 from examples.countdown.tasks import prompt
 
 __all__ = ["solve"]
@@ -60,7 +59,7 @@ async def solve(task: Any, base_url: str, api_key: str) -> dict[str, Any]:
         solved = any(correct for _, correct in attempts)
         return ToolsToFinalOutputResult(is_final_output=solved, final_output="solved")
 
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client = client_for(base_url, api_key)  # one connection pool per event loop
     agent = Agent(
         name="countdown",
         model=OpenAIChatCompletionsModel(model="policy", openai_client=client),

@@ -13,7 +13,9 @@ each rollout its own `base_url` and `api_key`, and trains on the exact tokens of
 
 from __future__ import annotations
 
+import asyncio
 import json
+import weakref
 from typing import Any
 
 import openai
@@ -21,7 +23,7 @@ import openai
 from examples.countdown.reward import countdown_reward, expression_value
 from examples.countdown.tasks import prompt
 
-__all__ = ["CALC", "solve"]
+__all__ = ["CALC", "client_for", "solve"]
 
 ANSWER_TOKENS = 24
 MAX_TURNS = 3
@@ -42,6 +44,25 @@ CALC = {
 }
 
 
+_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, openai.AsyncOpenAI] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def client_for(base_url: str, api_key: str) -> openai.AsyncOpenAI:
+    """A client for this rollout's endpoint, sharing one connection pool per event loop.
+
+    A new `AsyncOpenAI` builds an httpx client, which loads the CA bundle into an SSL context:
+    ~80 ms of CPU, on the event loop the trainer shares (64 rollouts a step: seconds).
+    `with_options` re-points a client already made in 0.07 ms.
+    """
+    loop = asyncio.get_running_loop()
+    shared = _CLIENTS.get(loop)
+    if shared is None:
+        shared = _CLIENTS[loop] = openai.AsyncOpenAI(api_key="per-rollout", max_retries=0)
+    return shared.with_options(base_url=base_url, api_key=api_key)
+
+
 def calc(expr: str) -> str:
     """`33`, `-5`, `7/3`, or `undefined`; ValueError for anything but arithmetic."""
     try:
@@ -54,7 +75,7 @@ def calc(expr: str) -> str:
 async def solve(task: Any, base_url: str, api_key: str) -> dict[str, Any]:
     """One countdown episode through an OpenAI-compatible endpoint; the reward and whether it
     was solved."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client = client_for(base_url, api_key)
     data = task.data
     messages: list[dict[str, Any]] = [{"role": "user", "content": prompt(data)}]
     best, solved, checks = 0.0, False, 0

@@ -6,6 +6,6 @@ request resolves exactly once), `faults` (failures on purpose, for tests), `wire
 bodies), `service` (what each request does), `rest` and `catalog` (the `RestClient` side:
 training runs, checkpoints, TTLs, weights export), `training` (a LoRA training model: Tinker's
 losses, AdamW, saved state), `lora` (the adapters), `sampling` (sampling sessions on weight
-snapshots).
+snapshots), `compat` (every SDK method and loss: served, refused or client only; the docs table).
 It imports `unified` and `torchkit`, never `backends`. Importing this package loads nothing.
 """

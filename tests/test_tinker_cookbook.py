@@ -6,8 +6,8 @@ weights download through the real tinker SDK against a server on 127.0.0.1 servi
 tiny model, offline. The tests assert what the cookbook itself reads back: its checkpoint records,
 the step it resumes at, rolling checkpoints deleted on the server, a sampler on its final
 checkpoint, an exported model directory that loads into the local backend. The environment is
-the cookbook's own `ProblemEnv` with a reward the untrained tiny model earns about half the time
-("answer with a digit"), so groups have non-zero advantages and the policy moves.
+`examples/tinker_cookbook/digits_rl.py`'s: the cookbook's own `ProblemEnv` with a reward the
+untrained tiny model earns about half the time, so groups have non-zero advantages.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +32,14 @@ import chz
 import tinker
 import tinker_cookbook
 import torch
-from tinker_cookbook import checkpoint_utils, renderers, weights
+from tinker_cookbook import checkpoint_utils, weights
 from tinker_cookbook.rl import train as rl_train
-from tinker_cookbook.rl.problem_env import ProblemEnv, ProblemGroupBuilder
-from tinker_cookbook.rl.types import EnvGroupBuilder, RLDataset, RLDatasetBuilder
 from tinker_cookbook.supervised import train as sft_train
 from tinker_cookbook.supervised.data import FromConversationFileBuilder
 from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
-from tinker_cookbook.tokenizer_utils import get_tokenizer
 from tinker_cookbook.utils import cost_estimation
 
+from examples.tinker_cookbook.digits_rl import RENDERER, CLIConfig, build_config
 from tinker_server.server import LocalServer
 from torchkit.builtin import load_policy
 
@@ -51,56 +48,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:DEPRECATED.*create_rest_client:F
 
 DEADLINE_S = 60
 API_KEY = "tml-test"
-RENDERER = "role_colon"
 
 
 def test_the_pinned_cookbook_release_is_installed() -> None:
     assert tinker_cookbook.__version__ == "0.6.1", (
         f"the tests are written against tinker-cookbook 0.6.1, found {tinker_cookbook.__version__}"
     )
-
-
-class DigitEnv(ProblemEnv):
-    """One question, rewarded 1 when the answer holds a digit (the untrained model: ~half)."""
-
-    def get_question(self) -> str:
-        return "Say a digit."
-
-    def check_answer(self, sample_str: str) -> bool:
-        return any(c.isdigit() for c in sample_str)
-
-    def check_format(self, sample_str: str) -> bool:
-        return True
-
-    def get_reference_answer(self) -> str:
-        return "7"
-
-
-@dataclass
-class DigitDataset(RLDataset):
-    renderer: renderers.Renderer
-    batch_size: int
-    group_size: int
-    n_batches: int
-
-    def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
-        env = partial(DigitEnv, self.renderer, format_coef=0.0)
-        return [ProblemGroupBuilder(env, self.group_size) for _ in range(self.batch_size)]
-
-    def __len__(self) -> int:
-        return self.n_batches
-
-
-@chz.chz
-class DigitDatasetBuilder(RLDatasetBuilder):
-    model_name: str
-    n_batches: int
-    batch_size: int = 2
-    group_size: int = 4
-
-    async def __call__(self) -> tuple[DigitDataset, None]:
-        renderer = renderers.get_renderer(RENDERER, get_tokenizer(self.model_name))
-        return DigitDataset(renderer, self.batch_size, self.group_size, self.n_batches), None
 
 
 @dataclass
@@ -135,22 +88,25 @@ def cookbook_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     root.setLevel(level)
 
 
-def rl_config(served: Served, log_path: Path, n_batches: int, **fields: Any) -> rl_train.Config:
-    return rl_train.Config(
-        learning_rate=1e-2,
-        dataset_builder=DigitDatasetBuilder(model_name=served.model_name, n_batches=n_batches),
+def rl_config(
+    served: Served,
+    log_path: Path,
+    n_batches: int,
+    max_steps_off_policy: int | None = None,
+    **fields: Any,
+) -> rl_train.Config:
+    """The example's config (examples/tinker_cookbook/digits_rl.py), small, with rolling saves."""
+    cli = CLIConfig(
         model_name=served.model_name,
-        renderer_name=RENDERER,
-        recipe_name="unified_test",
-        max_tokens=6,
-        lora_rank=4,
-        log_path=str(log_path),
         base_url=served.url,
-        eval_every=0,
+        log_path=str(log_path),
+        steps=n_batches,
+        groups_per_batch=2,
+        group_size=4,
         save_every=2,
-        rolling_save_every=1,
-        **fields,
+        max_steps_off_policy=max_steps_off_policy,
     )
+    return chz.replace(build_config(cli), rolling_save_every=1, **fields)
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:
@@ -192,8 +148,9 @@ def test_the_rl_loop_checkpoints_resumes_and_samples_from_its_final_checkpoint(
 
 
 def test_the_async_rl_loop_trains_off_policy_with_ppo(served: Served, tmp_path: Path) -> None:
-    async_config = rl_train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=2, loss_fn="ppo")
-    asyncio.run(rl_train.main(rl_config(served, tmp_path, n_batches=4, async_config=async_config)))
+    config = rl_config(served, tmp_path, n_batches=4, max_steps_off_policy=1)
+    assert config.async_config is not None and config.async_config.loss_fn == "ppo"
+    asyncio.run(rl_train.main(config))
 
     trained = [row for row in jsonl(tmp_path / "metrics.jsonl") if "async/staleness_max" in row]
     assert len(trained) == 4, trained

@@ -170,7 +170,7 @@ def test_the_async_default_loss_is_refused_with_one_line_naming_the_alternatives
         asyncio.run(rl_train.main(rl_config(served, tmp_path, 2, async_config=async_config)))
 
 
-def test_the_sft_loop_lowers_its_loss_and_its_weights_download_as_a_model_directory(
+def test_the_sft_loop_lowers_its_loss_and_its_checkpoint_downloads_as_a_model_directory(
     served: Served, tmp_path: Path
 ) -> None:
     conversations = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
@@ -205,12 +205,13 @@ def test_the_sft_loop_lowers_its_loss_and_its_weights_download_as_a_model_direct
     last = checkpoint_utils.get_last_checkpoint(str(tmp_path / "sft"), required_key="state_path")
     assert last is not None
 
-    service = tinker.ServiceClient(base_url=served.url)
-    trained = service.create_training_client_from_state(last.state_path).result(DEADLINE_S)
-    exported = trained.save_weights_external("export").result(DEADLINE_S).path
+    # A training checkpoint: the cookbook exports it encrypted to a fresh age key, downloads,
+    # decrypts and deletes the export.
     directory = weights.download(
-        tinker_path=exported, output_dir=str(tmp_path / "export"), base_url=served.url
+        tinker_path=last.state_path, output_dir=str(tmp_path / "export"), base_url=served.url
     )
+    left = served.rest.list_user_checkpoints().result(DEADLINE_S).checkpoints
+    assert not [c for c in left if c.checkpoint_type == "external"], "the export was deleted"
     model, _ = load_policy(directory)
     base, _ = load_policy("builtin:tiny")
     moved = [

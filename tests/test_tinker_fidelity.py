@@ -452,6 +452,29 @@ def test_exported_weights_download_without_a_key_and_load_into_the_local_backend
     assert_reached(parsed, ["future:save_weights_external"])
 
 
+def test_an_export_to_age_recipients_stores_only_encrypted_files(
+    recorded: tuple[LocalServer, list[Exchange]], tmp_path: Path
+) -> None:
+    pyrage = pytest.importorskip("pyrage")
+    server, log = recorded
+    service, tc = connect(server)
+    identity = pyrage.x25519.Identity.generate()
+    path = tc.save_weights_external("sealed", age_encryption_recipients=[str(identity.to_public())])
+    path = path.result(DEADLINE_S).path
+    urls = rest_client(server).get_external_weights_urls(path).result(DEADLINE_S).urls
+    assert urls and all(name.endswith(".age") for name in urls), sorted(urls)
+    sealed = httpx.get(urls["config.json.age"], timeout=DEADLINE_S).content
+    assert b"architectures" not in sealed, "the store holds no plain text"
+    config = json.loads(pyrage.decrypt(sealed, [identity]))
+    assert config["model_type"] == "qwen2", config
+    with pytest.raises(tinker.RequestFailedError, match="not an age x25519 recipient"):
+        tc.save_weights_external("bad", age_encryption_recipients=["ssh-rsa AAAA"]).result(
+            DEADLINE_S
+        )
+    service.close("success").result(DEADLINE_S)
+    check_all(log)
+
+
 @pytest.mark.parametrize(
     ("call", "reason"),
     [

@@ -105,7 +105,7 @@ METHODS: dict[str, Support] = {
     ),
     "TrainingClient.save_weights_external": _served(
         "a Hugging Face model directory (adapters merged, tokenizer included) that `model: DIR` "
-        "loads; `age_encryption_recipients` refused (no encryption here)"
+        "loads; with `age_encryption_recipients`, each file encrypted to them (`.age`)"
     ),
     "TrainingClient.save_weights_for_sampler": _served(
         "`tinker://<run>/sampler_weights/<name>`; `ttl_seconds`, `user_metadata`"

@@ -147,6 +147,22 @@ def test_the_rl_loop_checkpoints_resumes_and_samples_from_its_final_checkpoint(
     assert [len(s.tokens) for s in answer.sequences] == [4, 4]
 
 
+def test_the_rl_loop_starts_from_another_runs_checkpoint(served: Served, tmp_path: Path) -> None:
+    """`load_checkpoint_path`: the weights (and LoRA shape) come from the checkpoint."""
+    service = tinker.ServiceClient(base_url=served.url)
+    metadata = {"renderer_name": RENDERER}  # what the cookbook records and checks on loading
+    start = service.create_lora_training_client(served.model_name, 2, user_metadata=metadata)
+    start_path = start.result(DEADLINE_S).save_state("start").result(DEADLINE_S).path
+    config = rl_config(served, tmp_path, n_batches=2, load_checkpoint_path=start_path)
+    assert config.lora_rank == 4
+    asyncio.run(rl_train.main(config))
+
+    last = checkpoint_utils.get_last_checkpoint(str(tmp_path))
+    assert last is not None
+    run = served.rest.get_training_run_by_tinker_path(last.state_path).result(DEADLINE_S)
+    assert run.lora_rank == 2, "the run trained the checkpoint's rank-2 adapters"
+
+
 def test_the_async_rl_loop_trains_off_policy_with_ppo(served: Served, tmp_path: Path) -> None:
     config = rl_config(served, tmp_path, n_batches=4, max_steps_off_policy=1)
     assert config.async_config is not None and config.async_config.loss_fn == "ppo"

@@ -145,6 +145,7 @@ def test_the_rl_loop_checkpoints_resumes_and_samples_from_its_final_checkpoint(
     params = tinker.SamplingParams(max_tokens=4, seed=0)
     answer = sampler.sample(tinker.ModelInput.from_ints([5, 6, 7]), 2, params).result(DEADLINE_S)
     assert [len(s.tokens) for s in answer.sequences] == [4, 4]
+    service.close("success").result(DEADLINE_S)
 
 
 def test_the_rl_loop_starts_from_another_runs_checkpoint(served: Served, tmp_path: Path) -> None:
@@ -153,6 +154,7 @@ def test_the_rl_loop_starts_from_another_runs_checkpoint(served: Served, tmp_pat
     metadata = {"renderer_name": RENDERER}  # what the cookbook records and checks on loading
     start = service.create_lora_training_client(served.model_name, 2, user_metadata=metadata)
     start_path = start.result(DEADLINE_S).save_state("start").result(DEADLINE_S).path
+    service.close("success").result(DEADLINE_S)
     config = rl_config(served, tmp_path, n_batches=2, load_checkpoint_path=start_path)
     assert config.lora_rank == 4
     asyncio.run(rl_train.main(config))

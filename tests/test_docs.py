@@ -1,10 +1,12 @@
-"""Docs that are generated or copied stay true: the config reference and the CI command."""
+"""Docs that are generated or copied stay true: the config reference, the backend tables, the
+tinker-serve compatibility table and the CI command."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from tinker_server.compat import fill_compat_table
 from unified.config import reference_markdown
 from unified.reference import fill_backend_sections, marked_backends
 
@@ -32,3 +34,11 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     commands = re.findall(r"```bash\n(python3 -m venv[^\n]*)\n```", readme)
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert ci in commands, f".ci/run must run the README's test command, got {ci!r}"
+
+
+def test_the_tinker_compatibility_table_is_the_generated_one() -> None:
+    doc = (ROOT / "docs" / "backends" / "tinker.md").read_text()
+    assert "<!-- tinker-compat -->" in doc, "docs/backends/tinker.md lost its table's markers"
+    assert doc == fill_compat_table(doc), (
+        "regenerate the table of docs/backends/tinker.md: python -m tinker_server.compat"
+    )

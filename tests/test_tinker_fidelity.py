@@ -25,7 +25,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tinker import types
 from tinker.proto.response_conv import PROTO_SUPPORTED_TYPES, deserialize_proto_response
 
+from tinker_server.compat import LOSS_NOTES, METHODS, sdk_losses, sdk_methods
 from tinker_server.server import LocalServer
+from tinker_server.training import LOSS_INPUTS, REFUSED_LOSSES
 from torchkit.builtin import load_policy
 
 DEADLINE_S = 60
@@ -381,6 +383,11 @@ def test_training_runs_and_checkpoints_through_the_rest_client(
     assert [c.tinker_path for c in left] == [state]
     with pytest.raises(tinker.NotFoundError, match="no checkpoint"):
         rest.delete_checkpoint_from_tinker_path(sampler).result(DEADLINE_S)
+    spare = tc.save_state("s2").result(DEADLINE_S).path
+    rest.delete_checkpoint(run, "weights/s2").result(DEADLINE_S)
+    assert spare not in [
+        c.tinker_path for c in rest.list_checkpoints(run).result(DEADLINE_S).checkpoints
+    ]
     with pytest.raises(tinker.NotFoundError, match="no training run"):
         rest.get_training_run("nobody:train:0").result(DEADLINE_S)
     service.close("success").result(DEADLINE_S)
@@ -445,6 +452,29 @@ def test_exported_weights_download_without_a_key_and_load_into_the_local_backend
     assert_reached(parsed, ["future:save_weights_external"])
 
 
+def test_an_export_to_age_recipients_stores_only_encrypted_files(
+    recorded: tuple[LocalServer, list[Exchange]], tmp_path: Path
+) -> None:
+    pyrage = pytest.importorskip("pyrage")
+    server, log = recorded
+    service, tc = connect(server)
+    identity = pyrage.x25519.Identity.generate()
+    path = tc.save_weights_external("sealed", age_encryption_recipients=[str(identity.to_public())])
+    path = path.result(DEADLINE_S).path
+    urls = rest_client(server).get_external_weights_urls(path).result(DEADLINE_S).urls
+    assert urls and all(name.endswith(".age") for name in urls), sorted(urls)
+    sealed = httpx.get(urls["config.json.age"], timeout=DEADLINE_S).content
+    assert b"architectures" not in sealed, "the store holds no plain text"
+    config = json.loads(pyrage.decrypt(sealed, [identity]))
+    assert config["model_type"] == "qwen2", config
+    with pytest.raises(tinker.RequestFailedError, match="not an age x25519 recipient"):
+        tc.save_weights_external("bad", age_encryption_recipients=["ssh-rsa AAAA"]).result(
+            DEADLINE_S
+        )
+    service.close("success").result(DEADLINE_S)
+    check_all(log)
+
+
 @pytest.mark.parametrize(
     ("call", "reason"),
     [
@@ -489,85 +519,25 @@ def test_topk_prompt_logprobs_are_served_and_other_prompt_options_refused(
     check_all(recorded[1])
 
 
-SDK_METHODS: dict[str, str] = {
-    # ServiceClient
-    "ServiceClient.close": "served: every test",
-    "ServiceClient.copy_weights": "refused: projects (test_calls_out_of_scope_...)",
-    "ServiceClient.create_custom_loss": "refused: server-side custom losses",
-    "ServiceClient.create_lora_training_client": "served: walk",
-    "ServiceClient.create_sampling_client": "served: walk",
-    "ServiceClient.create_training_client_from_state": "served: walk",
-    "ServiceClient.create_training_client_from_state_with_optimizer": "served: walk",
-    "ServiceClient.get_console_url": "client only (a URL of the service's console)",
-    "ServiceClient.get_telemetry": "client only",
-    "ServiceClient.holder": "client only",
-    # TrainingClient
-    "TrainingClient.create_sampling_client": "served: walk",
-    "TrainingClient.forward": "served: walk",
-    "TrainingClient.forward_backward": "served: walk, test_tinker_losses.py",
-    "TrainingClient.forward_backward_custom": "served: walk (forward + weighted backward)",
-    "TrainingClient.get_console_url": "client only",
-    "TrainingClient.get_info": "served: walk",
-    "TrainingClient.get_telemetry": "client only",
-    "TrainingClient.get_tokenizer": "served: walk (tokenizer_id is a local directory)",
-    "TrainingClient.optim_step": "served: walk",
-    "TrainingClient.save_state": "served: walk",
-    "TrainingClient.save_weights_and_get_sampling_client": "served: walk",
-    "TrainingClient.save_weights_external": "served: test_exported_weights_...",
-    "TrainingClient.save_weights_for_sampler": "served: walk",
-    # SamplingClient
-    "SamplingClient.compute_logprobs": "served: walk",
-    "SamplingClient.create": "served: through create_sampling_client",
-    "SamplingClient.from_sampler_handle": "client only",
-    "SamplingClient.get_base_model": "served: walk",
-    "SamplingClient.get_sampler_handle": "client only",
-    "SamplingClient.get_telemetry": "client only",
-    "SamplingClient.get_tokenizer": "client only (from the base model's name)",
-    "SamplingClient.on_queue_state_change": "client only (the queue is always active)",
-    "SamplingClient.sample": "served: walk, test_topk_prompt_logprobs_...",
-    # RestClient
-    "RestClient.assign_session_project": "refused: projects",
-    "RestClient.copy_weights": "refused: projects",
-    "RestClient.delete_checkpoint": "served: as delete_checkpoint_from_tinker_path",
-    "RestClient.delete_checkpoint_from_tinker_path": "served: test_training_runs_...",
-    "RestClient.export_session_trace": "refused: sessions",
-    "RestClient.get_external_weights_urls": "served: test_exported_weights_...",
-    "RestClient.get_sampler": "served: walk",
-    "RestClient.get_server_capabilities": "served: walk",
-    "RestClient.get_session": "refused: sessions",
-    "RestClient.get_telemetry": "client only",
-    "RestClient.get_training_run": "served: test_training_runs_...",
-    "RestClient.get_training_run_by_tinker_path": "served: test_training_runs_...",
-    "RestClient.get_weights_info_by_tinker_path": "served: test_training_runs_...",
-    "RestClient.list_checkpoints": "served: test_training_runs_...",
-    "RestClient.list_sessions": "refused: sessions",
-    "RestClient.list_training_runs": "served: test_training_runs_...",
-    "RestClient.list_user_checkpoints": "served: test_training_runs_...",
-    "RestClient.publish_checkpoint_from_tinker_path": "served: test_training_runs_...",
-    "RestClient.set_checkpoint_ttl_from_tinker_path": "served: test_training_runs_...",
-    "RestClient.unpublish_checkpoint_from_tinker_path": "served: test_training_runs_...",
-    "RestClient.whoami": "refused by the SDK itself: needs JWT auth, which the server leaves off",
-}
-"""Every public, non-deprecated method of the pinned SDK's clients, and where it is covered."""
-
-
 def test_every_public_sdk_method_is_served_or_refused() -> None:
-    """A method a new SDK adds fails here until it is served (and walked) or refused."""
-    found = set()
-    clients = (
-        tinker.ServiceClient,
-        tinker.TrainingClient,
-        tinker.SamplingClient,
-        tinker.RestClient,
-    )
-    for client in clients:
-        for name, member in vars(client).items():
-            target = getattr(member, "fget", member)
-            if name.startswith("_") or getattr(target, "__deprecated__", None):
-                continue
-            if callable(target):
-                found.add(f"{client.__name__}.{name}")
-    assert found == set(SDK_METHODS), (
-        sorted(found - set(SDK_METHODS)),
-        sorted(set(SDK_METHODS) - found),
-    )
+    """A method a new SDK adds fails here until `tinker_server/compat.py` classifies it."""
+    found = set(sdk_methods())
+    assert found == set(METHODS), (sorted(found - set(METHODS)), sorted(set(METHODS) - found))
+
+
+def test_every_loss_the_sdk_names_is_served_or_refused_with_a_reason() -> None:
+    served, refused = set(LOSS_INPUTS), set(REFUSED_LOSSES)
+    assert not served & refused, served & refused
+    assert served | refused == set(sdk_losses()), sorted(set(sdk_losses()) ^ (served | refused))
+    assert set(LOSS_NOTES) == served, "each served loss has its note in the generated table"
+
+
+@pytest.mark.parametrize(
+    "name", [name for name, support in METHODS.items() if support.status == "served"]
+)
+def test_every_method_the_table_calls_served_is_driven_by_a_test(name: str) -> None:
+    """Each served method is called through the real SDK somewhere in the tinker tests."""
+    # `SamplingClient.create` is what every `create_sampling_client` runs.
+    method = {"SamplingClient.create": "create_sampling_client"}.get(name, name.split(".")[1])
+    sources = "".join(p.read_text() for p in Path(__file__).parent.glob("test_tinker*.py"))
+    assert f".{method}(" in sources, f"{name} is listed as served, but no tinker test calls it"

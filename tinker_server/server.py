@@ -431,6 +431,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         auth = "X-API-Key required" if args.api_key else "any tml- key"
         try:
             print(f"tinker-serve: {args.model} at {url} ({auth}; store {args.store})", flush=True)
+            # The name clients that load a tokenizer from the model name (tinker-cookbook's
+            # `model_name`) can use offline; the URL line stays first (ServerProcess reads it).
+            print(
+                f"tinker-serve: model_name for clients: {server.service.tokenizer_id}", flush=True
+            )
         except BrokenPipeError:
             server.stop()  # whoever started it is gone before the model finished loading
             return 1

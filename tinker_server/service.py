@@ -11,7 +11,6 @@ directory `store/<run>/<kind>/<name>/`, so a later server on the same store resu
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import uuid
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tinker_server.catalog import Catalog
+from tinker_server.export import age_recipients, write_export
 from tinker_server.futures import Outcome
 from tinker_server.sampling import SamplerPool, untied_copy
 from tinker_server.training import AdamSettings, LoraSpec, TrainingModel, UserError
@@ -257,23 +257,18 @@ class LocalTinker:
 
     async def save_weights_external(self, request: dict[str, Any]) -> Outcome:
         """Export a model as a Hugging Face model directory (adapters merged into the base
-        weights, with its tokenizer): `from_pretrained` and `model: <dir>` load it."""
-        if request.get("age_encryption_recipients"):
-            raise UserError("age_encryption_recipients: the local server exports unencrypted")
+        weights, with its tokenizer), encrypted to `age_encryption_recipients` if given
+        (`export.py`)."""
+        recipients = age_recipients(request.get("age_encryption_recipients"))
         model = self._model(request["model_id"])
         uri, directory = self._path(request["model_id"], "external_weights", request["path"])
         if directory.exists():
             raise UserError(f"{uri} exists; choose another name")
         async with model.lock:
             weights = await asyncio.to_thread(model.training.merged_weights)
-
-        def export() -> None:
-            exported = copy.deepcopy(self.pool.template)
-            exported.load_state_dict(weights)
-            exported.save_pretrained(directory, safe_serialization=True)
-            self.tokenizer.save_pretrained(directory)
-
-        await asyncio.to_thread(export)
+        await asyncio.to_thread(
+            write_export, self.pool.template, weights, self.tokenizer, directory, recipients
+        )
         self.catalog.record_checkpoint(directory, ttl_seconds=request.get("ttl_seconds"))
         size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
         return json_outcome({"path": uri, "size_bytes": size, "type": "save_weights_external"})

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from examples.countdown.baselines import baselines, best_pattern_by_target_band
 from unified.commands import run_command
-from unified.config import load_config
+from unified.config import TrainerConfig, load_config
 from unified.errors import UsageError
 from unified.imports import import_object
 from unified.model_provider import resolve_model
@@ -67,9 +67,7 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
     first = json.loads((result.run_dir / "metrics.jsonl").read_text().splitlines()[0])
     # A tool agent solves a task if any of its checks or its answer hits: its bars get as many
     # tries per task as it has turns.
-    workflow = import_object(config.workflow, what="workflow")
-    tool_agent = isinstance(workflow, type) and issubclass(workflow, ToolWorkflow)
-    attempts = workflow.max_turns if tool_agent else 1
+    attempts = _attempts(config)
     reference = baselines(trainer.eval_tasks, attempts=attempts)
     curves = plot_run(result.run_dir)
     n = len(trainer.eval_tasks)
@@ -118,3 +116,17 @@ def _percent(share: float | None) -> str:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _attempts(config: TrainerConfig) -> int:
+    """Tries per task the agent has: its turns (a `ToolWorkflow`, or the countdown agents on the
+    OpenAI client, which take the tool agent's `MAX_TURNS`), else 1."""
+    workflow = import_object(config.workflow, what="workflow")
+    if isinstance(workflow, type) and issubclass(workflow, ToolWorkflow):
+        return int(workflow.max_turns)
+    module = str(config.workflow_args.get("agent", "")).split(":")[0]
+    if module in ("examples.countdown.openai_agent", "examples.countdown.agents_sdk_agent"):
+        from examples.countdown.openai_agent import MAX_TURNS
+
+        return MAX_TURNS
+    return 1

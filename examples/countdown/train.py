@@ -114,10 +114,6 @@ def _percent(share: float | None) -> str:
     return "-" if share is None else f"{share:.1%}"
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _attempts(config: TrainerConfig) -> int:
     """Tries per task the agent has: its turns (a `ToolWorkflow`, or the countdown agents on the
     OpenAI client, which take the tool agent's `MAX_TURNS`), else 1."""
@@ -130,3 +126,7 @@ def _attempts(config: TrainerConfig) -> int:
 
         return MAX_TURNS
     return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

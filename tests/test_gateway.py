@@ -342,30 +342,47 @@ async def calc_agent(task: Task, base_url: str, api_key: str) -> dict[str, Any]:
     return {"reward": float(text.count("3")), "correct": "33" in text, "length": len(text)}
 
 
+def agent_config(tmp_path: Path, name: str, **sections: Any) -> dict[str, Any]:
+    """A two-step run of `calc_agent` through `AgentWorkflow` on the built-in tiny model; keyword
+    sections are merged over these (`trainer` key by key)."""
+    trainer = {
+        "total_steps": 2,
+        "batch_size": 2,
+        "group_size": 2,
+        "lr": 1e-3,
+        "eval_every": 0,
+        "eval_before_train": False,
+        "save_every": 0,
+        **sections.pop("trainer", {}),
+    }
+    return {
+        "name": name,
+        "backend": "local",
+        "model": "builtin:tiny",
+        "workflow": "workflows.agent:AgentWorkflow",
+        "workflow_args": {"agent": "tests.test_gateway:calc_agent"},
+        "trainer": trainer,
+        "sampling": {"train": {"max_tokens": 8}},
+        "logging": {"run_dir": str(tmp_path), "console": False},
+        **sections,
+    }
+
+
+def agent_tasks() -> list[Task]:
+    return [Task(id=str(i), data={"prompt": f"{i} 3 -> 33"}) for i in range(8)]
+
+
 def test_an_openai_agent_trains_through_agent_workflow_on_the_local_backend(
     tmp_path: Path,
 ) -> None:
-    config = {
-        "name": "agent",
-        "backend": "local",
-        "model": "builtin:tiny",
-        "mode": "async",
-        "workflow": "workflows.agent:AgentWorkflow",
-        "workflow_args": {"agent": "tests.test_gateway:calc_agent"},
-        "trainer": {
-            "total_steps": 2,
-            "batch_size": 2,
-            "group_size": 2,
-            "lr": 1e-3,
-            "eval_every": 2,
-            "eval_before_train": True,
-            "save_every": 0,
-            "workflow_timeout_s": 30,
-        },
-        "sampling": {"train": {"max_tokens": 8}, "eval": {"max_tokens": 8}},
-        "logging": {"run_dir": str(tmp_path), "console": False},
-    }
-    tasks = [Task(id=str(i), data={"prompt": f"{i} 3 -> 33"}) for i in range(8)]
+    config = agent_config(
+        tmp_path,
+        "agent",
+        mode="async",
+        trainer={"eval_every": 2, "eval_before_train": True, "workflow_timeout_s": 30},
+        sampling={"train": {"max_tokens": 8}, "eval": {"max_tokens": 8}},
+    )
+    tasks = agent_tasks()
     torch.manual_seed(0)
     result = UnifiedTrainer(config, train_tasks=tasks, eval_tasks=tasks[:2]).fit()
     metrics = result.metrics
@@ -424,28 +441,14 @@ def test_an_openai_agent_trains_through_agent_workflow_on_the_tinker_backend(
 ) -> None:
     """No URL and no key: the tinker backend starts its own local Tinker-compatible server."""
     monkeypatch.delenv("TINKER_API_KEY", raising=False)
-    config = {
-        "name": "agent-tinker",
-        "backend": "tinker",
-        "model": "builtin:tiny",
-        "workflow": "workflows.agent:AgentWorkflow",
-        "workflow_args": {"agent": "tests.test_gateway:calc_agent"},
-        "trainer": {
-            "total_steps": 2,
-            "batch_size": 2,
-            "group_size": 2,
-            "lr": 1e-3,
-            "eval_every": 0,
-            "eval_before_train": False,
-            "save_every": 0,
-            "workflow_timeout_s": 120,
-            "stall_timeout_s": 300,
-        },
-        "sampling": {"train": {"max_tokens": 8}},
-        "tinker": {"lora_rank": 8, "request_timeout_s": 300},
-        "logging": {"run_dir": str(tmp_path), "console": False},
-    }
-    tasks = [Task(id=str(i), data={"prompt": f"{i} 3 -> 33"}) for i in range(8)]
+    config = agent_config(
+        tmp_path,
+        "agent-tinker",
+        backend="tinker",
+        trainer={"workflow_timeout_s": 120, "stall_timeout_s": 300},
+        tinker={"lora_rank": 8, "request_timeout_s": 300},
+    )
+    tasks = agent_tasks()
     result = UnifiedTrainer(config, train_tasks=tasks).fit()
     metrics = result.metrics
     assert result.steps == 2 and metrics["episodes/errors"] == 0
@@ -460,26 +463,13 @@ def test_an_openai_agent_trains_on_a_ray_rollout_worker(tmp_path: Path) -> None:
 
     start_local_ray(num_cpus=2)
     try:
-        config = {
-            "name": "agent-ray",
-            "backend": "local",
-            "model": "builtin:tiny",
-            "workflow": "workflows.agent:AgentWorkflow",
-            "workflow_args": {"agent": "tests.test_gateway:calc_agent"},
-            "rollout": {"workers": 1, "worker_cpus": 0.5},
-            "trainer": {
-                "total_steps": 1,
-                "batch_size": 2,
-                "group_size": 2,
-                "eval_every": 0,
-                "eval_before_train": False,
-                "save_every": 0,
-                "workflow_timeout_s": 60,
-            },
-            "sampling": {"train": {"max_tokens": 8}},
-            "logging": {"run_dir": str(tmp_path), "console": False},
-        }
-        tasks = [Task(id=str(i), data={"prompt": f"{i} 3 -> 33"}) for i in range(8)]
+        config = agent_config(
+            tmp_path,
+            "agent-ray",
+            rollout={"workers": 1, "worker_cpus": 0.5},
+            trainer={"total_steps": 1, "workflow_timeout_s": 60},
+        )
+        tasks = agent_tasks()
         result = UnifiedTrainer(config, train_tasks=tasks).fit()
     finally:
         ray.shutdown()

@@ -82,3 +82,6 @@ async def solve(task: Any, base_url: str, api_key: str) -> dict[str, Any]:
         "correct": any(c for _, c in attempts),
         "checks": len(attempts),
     }
+
+
+solve.max_turns = MAX_TURNS  # type: ignore[attr-defined]  # tries per task, for reports

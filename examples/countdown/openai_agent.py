@@ -109,6 +109,9 @@ async def solve(task: Any, base_url: str, api_key: str) -> dict[str, Any]:
     return {"reward": best, "correct": solved, "checks": checks}
 
 
+solve.max_turns = MAX_TURNS  # type: ignore[attr-defined]  # tries per task, for reports
+
+
 def score(answer: str, data: Any) -> tuple[float, bool]:
     """An attempt's `(reward, correct)`, as the single-turn countdown workflow scores it."""
     return countdown_reward(

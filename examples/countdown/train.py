@@ -115,16 +115,14 @@ def _percent(share: float | None) -> str:
 
 
 def _attempts(config: TrainerConfig) -> int:
-    """Tries per task the agent has: its turns (a `ToolWorkflow`, or the countdown agents on the
-    OpenAI client, which take the tool agent's `MAX_TURNS`), else 1."""
+    """Tries per task the agent has: the `max_turns` of a `ToolWorkflow`, or of the agent an
+    `AgentWorkflow` runs (`workflow_args.agent`) when it declares one; else 1."""
     workflow = import_object(config.workflow, what="workflow")
     if isinstance(workflow, type) and issubclass(workflow, ToolWorkflow):
         return int(workflow.max_turns)
-    module = str(config.workflow_args.get("agent", "")).split(":")[0]
-    if module in ("examples.countdown.openai_agent", "examples.countdown.agents_sdk_agent"):
-        from examples.countdown.openai_agent import MAX_TURNS
-
-        return MAX_TURNS
+    agent = config.workflow_args.get("agent")
+    if isinstance(agent, str):
+        return int(getattr(import_object(agent, what="agent"), "max_turns", 1))
     return 1
 
 

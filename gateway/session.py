@@ -86,12 +86,17 @@ class AgentSession:
         """Requests whose temperature, top_p or seed were replaced by the trainer's."""
         self._calls: list[_Call] = []
         self._last: ModelOutput | None = None
-        self._closed = asyncio.Event()
+        self._closed = False
+        self._serving: set[asyncio.Task[Any]] = set()  # request tasks inside `_serve`
+        self._cut: set[asyncio.Task[Any]] = set()  # those `close()` cancelled
         self._ids = itertools.count()
 
     def close(self) -> None:
         """Turn later requests away and cancel the calls still being served."""
-        self._closed.set()
+        self._closed = True
+        for task in self._serving - self._cut:
+            task.cancel()
+            self._cut.add(task)
 
     async def chat(self, request: ChatRequest) -> dict[str, Any]:
         """Serve one chat completion and record it as a step."""
@@ -153,23 +158,21 @@ class AgentSession:
         )
 
     async def _serve(self, call: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
-        """Run `call` as a call of this session: `close()` cancels it (the client gets a 404).
-
-        Both tasks are owned here and awaited before returning; the wait ends when the call does
-        or when the session closes (at the rollout's deadline at the latest)."""
-        if self._closed.is_set():
-            raise _closed(self.id)
-        work = asyncio.ensure_future(call())
-        closed = asyncio.ensure_future(self._closed.wait())
+        """Run `call` in the request's own task as a call of this session: `close()` cancels
+        it there, and the client gets a 404 (a cancellation from elsewhere propagates)."""
+        task = asyncio.current_task()
+        if self._closed or task is None:
+            raise _closed_error(self.id)
+        self._serving.add(task)
         try:
-            await asyncio.wait((work, closed), return_when=asyncio.FIRST_COMPLETED)
+            return await call()
+        except asyncio.CancelledError:
+            if task in self._cut and task.uncancel() == 0:
+                raise _closed_error(self.id) from None
+            raise
         finally:
-            work.cancel()  # a no-op once it is done
-            closed.cancel()
-            await asyncio.gather(work, closed, return_exceptions=True)
-        if work.cancelled():
-            raise _closed(self.id)
-        return work.result()
+            self._serving.discard(task)
+            self._cut.discard(task)
 
     async def _sample(
         self, prompt_ids: list[int], request: ChatRequest | CompletionRequest, limit: int | None
@@ -243,7 +246,7 @@ class AgentSession:
         )
 
 
-def _closed(session_id: str) -> GatewayError:
+def _closed_error(session_id: str) -> GatewayError:
     return GatewayError(404, f"session {session_id} is closed: its rollout has ended")
 
 

@@ -33,6 +33,7 @@ CALC = {
         "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}},
     },
 }
+EXAMPLES = Path(__file__).parent.parent / "examples" / "countdown"
 CALL = '<tool_call>{"name": "calc", "arguments": {"expr": "3*7+12"}}</tool_call>'
 
 
@@ -409,13 +410,33 @@ def test_the_openai_agent_example_config_checks_its_agent_at_start_up(
 ) -> None:
     from unified.cli import main
 
-    config = Path(__file__).parent.parent / "examples/countdown/local_openai_agent_sync.yaml"
+    config = EXAMPLES / "local_openai_agent_sync.yaml"
     code = main(["train", str(config), "--dry-run", *([override] if override else [])])
     err = capsys.readouterr().err
     if expected is None:
         assert code == 0, err
     else:
         assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        "local_openai_agent_sync",
+        "local_agents_sdk_sync",
+        "tinker_openai_agent_sync",
+        "tinker_agents_sdk_sync",
+    ],
+)
+def test_each_agent_example_has_a_config_and_script_on_the_local_and_tinker_backends(
+    capsys: pytest.CaptureFixture[str], config: str
+) -> None:
+    from unified.cli import main
+
+    code = main(["train", str(EXAMPLES / f"{config}.yaml"), "--dry-run"])
+    assert code == 0, capsys.readouterr().err
+    script = (EXAMPLES / f"{config}.sh").read_text()
+    assert f"examples/countdown/{config}.yaml" in script
 
 
 async def test_an_openai_agents_sdk_agent_runs_through_the_gateway_token_for_token(

@@ -28,9 +28,12 @@ from unified.data import TaskSampler
 from unified.types import Episode, Task, TrajectoryGroup
 from unified.waiting import Changes
 
-__all__ = ["EndedGroup", "GroupTicket", "Outcome", "TrajectoryGroupBuffer"]
+__all__ = ["RUN_ENDED", "EndedGroup", "GroupTicket", "Outcome", "TrajectoryGroupBuffer"]
 
 log = logging.getLogger(__name__)
+
+RUN_ENDED = "was still alive when the run ended"
+"""In the ledger reason of a group requeued after the run's last step (`end_run`)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -184,19 +187,29 @@ class TrajectoryGroupBuffer:
         self._expire()
 
     def _expire(self) -> None:
-        expired = self.coordinator.expired
-        for ticket, rollouts in [r for r in self._rollouts.values() if expired(r[0].version)]:
-            for rollout in rollouts:
-                rollout.cancel()
-            self._requeue(ticket, finished=len(self._episodes[ticket.group_id]))
-        wasted = 0
-        while self._ready and expired(self._ready[0][0].version):
-            self._requeue(heapq.heappop(self._ready)[0], finished=self.group_size)
-            wasted += 1
-        self.coordinator.note_wasted(wasted)
+        c = self.coordinator
+        why = f"missed its deadline (weights at {c.version}, max_staleness {c.max_staleness})"
+        c.note_wasted(self._requeue_where(c.expired, why))
         self._notify()
 
-    def _requeue(self, ticket: GroupTicket, *, finished: int) -> None:
+    def end_run(self) -> None:
+        """The run trained its last step: the groups still alive, admitted beyond what it
+        needed, end requeued; a resumed run dispatches their tasks first."""
+        self._requeue_where(lambda version: True, RUN_ENDED)
+
+    def _requeue_where(self, requeued: Callable[[int], bool], why: str) -> int:
+        """Requeue the groups whose dispatch version is `requeued`; return how many were ready."""
+        for ticket, rollouts in [r for r in self._rollouts.values() if requeued(r[0].version)]:
+            for rollout in rollouts:
+                rollout.cancel()
+            self._requeue(ticket, why, finished=len(self._episodes[ticket.group_id]))
+        ready = 0
+        while self._ready and requeued(self._ready[0][0].version):  # a heap: oldest first
+            self._requeue(heapq.heappop(self._ready)[0], why, finished=self.group_size)
+            ready += 1
+        return ready
+
+    def _requeue(self, ticket: GroupTicket, why: str, *, finished: int) -> None:
         self.coordinator.release(ticket.version)
         task, _ = self._tasks.pop(ticket.group_id)
         self._redispatch.append((task, None))
@@ -206,9 +219,8 @@ class TrajectoryGroupBuffer:
             self._stop_generating(ticket.group_id)
             self.episodes_running -= self.group_size - finished
         reason = (
-            f"missed its deadline (dispatched at version {ticket.version}, weights at "
-            f"{self.coordinator.version}, max_staleness {self.coordinator.max_staleness}) with "
-            f"{finished} of {self.group_size} episodes done; its task is dispatched again"
+            f"dispatched at version {ticket.version}, {why} with {finished} of "
+            f"{self.group_size} episodes done; its task is dispatched again"
         )
         self._ended.append(EndedGroup(ticket, "requeued", ticket.version, reason, ()))
 

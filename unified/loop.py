@@ -223,6 +223,8 @@ class TrainingLoop:
         sync_s = 0.0
         if (version := self.groups.after_step(self.step)) is not None:
             sync_s = await self._sync_weights(version)
+        if self.step >= settings.total_steps:
+            self.groups.end_run()
         self.recorder.ended(await self.groups.write_ended(self.step))  # the requeued, if any
         self.groups.set_wanted(self._groups_wanted(0))
         budget = settings.max_time_s

@@ -50,6 +50,7 @@ class SyncCoordinator:
         steps_per_window: int | None = None,
     ) -> None:
         self.version = 0
+        self.batch_size = batch_size
         self.max_staleness = max_staleness
         self.sync_every = sync_every
         self.steps_per_window = sync_every if steps_per_window is None else steps_per_window

@@ -137,13 +137,14 @@ class TrajectoryGroupBuffer:
 
     # -- admission ------------------------------------------------------------------------------
 
-    def can_admit(self, *, spare: bool) -> bool:
-        """Whether one more group may be dispatched now; `spare`: a whole group would find free
-        workflow slots, so the coordinator may admit beyond the staleness bound."""
+    def can_admit(self, max_concurrency: int) -> bool:
+        """Whether one more group may be dispatched now; while a whole group would find free
+        workflow slots (of `max_concurrency`), the coordinator may admit beyond the bound."""
+        spare = self.episodes_running + self.group_size <= max_concurrency
         return self.coordinator.can_admit(spare=spare)
 
     def dispatch(self) -> tuple[GroupTicket, Task]:
-        """Admit one group (call only when `can_admit(spare=...)`); return it and its task."""
+        """Admit one group (call only when `can_admit(...)`); return it and its task."""
         if self._redispatch:
             task, old_seq = self._redispatch.popleft()
             seq = self._new_seq() if old_seq is None else old_seq
@@ -167,9 +168,10 @@ class TrajectoryGroupBuffer:
         """The tasks that run the episodes of a just dispatched group (cancelled if it expires)."""
         self._rollouts[ticket.group_id][1].extend(rollouts)
 
-    def set_wanted(self, groups: int) -> None:
-        """Admit no more groups than the run still needs to train."""
-        self.coordinator.wanted = groups
+    def want_steps(self, steps: int, *, taken: int = 0) -> None:
+        """Admit no more groups than `steps` more optimizer steps train (`taken` of the first
+        one's groups are taken already), beside the coordinator's allowance."""
+        self.coordinator.wanted = max(0, steps * self.coordinator.batch_size - taken)
         self._notify()
 
     def after_step(self, step: int) -> int | None:
@@ -371,7 +373,7 @@ class TrajectoryGroupBuffer:
             ledger_lines=ledger_lines,
         )
 
-    def restore_state(self, state: TrainerState, tasks: Sequence[Task], batch_size: int) -> None:
+    def restore_state(self, state: TrainerState, tasks: Sequence[Task]) -> None:
         """Continue where `state` left off: its task order, version and window, and its groups
         in flight dispatched first under their old ids (those whose task is still in `tasks`)."""
         self._sampler.load_state_dict(state.sampler)
@@ -389,7 +391,7 @@ class TrajectoryGroupBuffer:
             )
         self.restore(
             version=state.version,
-            taken=(state.step % self.coordinator.steps_per_window) * batch_size,
+            taken=(state.step % self.coordinator.steps_per_window) * self.coordinator.batch_size,
             next_seq=state.next_seq,
             redispatch=[
                 (by_id[i], seq) for i, seq in zip(state.redispatch, seqs, strict=True) if i in by_id

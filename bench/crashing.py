@@ -244,18 +244,29 @@ def check_run(config_dict: dict[str, Any]) -> RunCheck:
         problems.append(f"trained groups per step {dict(per_step)}, expected {expected_steps}")
     # Every group dispatched got the next sequence number and the sampler's next task, or a
     # requeued group's task, or was dispatched again under its own: at the end all of them
-    # ended, each once, and every task drawn ended once other than requeued.
+    # ended, each once, and every task drawn ended once other than requeued. Groups requeued in
+    # the last step (admitted beyond what it needed) are not dispatched again: their tasks are
+    # the final checkpoint's groups in flight, first to go if the run is extended.
     final = RunDirectory.load_state(run.checkpoints / f"step_{settings.total_steps:06d}")
-    if final.redispatch:
-        problems.append(f"the final checkpoint still has groups in flight: {final.redispatch}")
+    left = Counter(final.redispatch)
+    last_step = settings.total_steps
+    requeued_last = Counter(
+        e.task_id for e in entries if e.outcome == "requeued" and e.step == last_step
+    )
+    if left - requeued_last or any(seq is not None for seq in final.redispatch_seqs):
+        problems.append(
+            f"the final checkpoint still has groups in flight {final.redispatch} (numbers "
+            f"{final.redispatch_seqs}); only tasks requeued in the last step may wait there"
+        )
     seqs = Counter(int(g[1 : g.index("-")]) for g in ids)
     lost = len(set(range(final.next_seq)) - set(seqs))
     if lost or set(seqs) != set(range(final.next_seq)):
         problems.append(f"group sequence numbers {sorted(seqs)}, expected 0..{final.next_seq - 1}")
     sampler = TaskSampler(load_tasks(config.data.train), seed=settings.seed)
-    requeued = sum(e.outcome == "requeued" for e in entries)
-    drawn = Counter(task.id for task in sampler.take(final.next_seq - requeued))
-    ended = Counter(e.task_id for e in entries if e.outcome != "requeued")
+    # A requeued group's task is dispatched again under a new number (not drawn), unless left.
+    dispatched_again = sum(e.outcome == "requeued" for e in entries) - left.total()
+    drawn = Counter(task.id for task in sampler.take(final.next_seq - dispatched_again))
+    ended = Counter(e.task_id for e in entries if e.outcome != "requeued") + left
     if drawn != ended:
         problems.append(
             f"tasks drawn but not ended: {sorted((drawn - ended).elements())}, "

@@ -12,7 +12,7 @@ from unified.checkpoint import LedgerEntry
 from unified.coordinator import SyncCoordinator
 from unified.data import TaskSampler
 from unified.errors import StallError
-from unified.groups import TrajectoryGroupBuffer
+from unified.groups import RUN_ENDED, TrajectoryGroupBuffer
 from unified.rollout import WorkflowSlots
 from unified.testing import bandit_tasks
 from unified.types import Episode, ModelOutput, Step, Trajectory
@@ -115,8 +115,73 @@ def test_extra_groups_are_admitted_only_while_generation_has_spare_capacity() ->
     c.admit()
     c.note_blocked()
     assert c.extra == 2 and not c.can_admit(spare=True) and c.surplus == 2, "at most max_extra"
+
+
+def test_the_allowance_doubles_each_time_the_trainer_waits_with_all_of_it_out() -> None:
+    c = coordinator(max_staleness=1, batch_size=4, max_extra=6)  # capacity 8
+    for _ in range(8):
+        c.admit()
+    seen = []
+    for _ in range(5):
+        c.note_blocked()
+        seen.append(c.extra)
+        while c.can_admit(spare=True):
+            c.admit()
+    assert seen == [1, 2, 4, 6, 6], f"doubling from one up to max_extra, got {seen}"
+    assert c.surplus == 6
+
+
+def test_the_allowance_waits_for_all_of_it_to_go_out_before_growing() -> None:
+    c = coordinator(max_staleness=1, batch_size=4, max_extra=6)
+    c.note_blocked()
+    c.note_blocked()
+    assert c.extra == 1, "a wait while the last group allowed has not gone out changes nothing"
+
+
+def test_the_allowance_shrinks_by_one_after_one_plus_staleness_calm_windows() -> None:
+    c = coordinator(max_staleness=1, batch_size=4, max_extra=8)
+    c.extra = 4
+    c.note_wasted(3)
+    assert c.extra == 4, "one window's waste may be chance: the change shows two windows on"
     c.note_wasted(1)
-    assert c.extra == 1, "a group that expired ready lowers the allowance"
+    assert c.extra == 3, "two windows in a row wasted groups while the trainer never waited"
+    c.note_wasted(2)
+    assert c.extra == 3, "the count starts again after a change"
+    c.note_wasted(2)
+    assert c.extra == 2
+
+
+def test_a_window_in_which_the_trainer_waited_keeps_the_allowance() -> None:
+    c = coordinator(max_staleness=0, batch_size=4, max_extra=8)
+    c.extra = 8
+    c.note_blocked()
+    c.note_wasted(5)
+    assert c.extra == 8, "the trainer waited in that window: the groups were not too many"
+    c.note_wasted(5)
+    assert c.extra == 7, "the next window wasted groups and nobody waited"
+
+
+def test_a_window_that_wasted_nothing_breaks_the_run_of_calm_windows() -> None:
+    c = coordinator(max_staleness=1, batch_size=4, max_extra=8)
+    c.extra = 4
+    c.note_wasted(2)
+    c.note_wasted(0)
+    c.note_wasted(2)
+    assert c.extra == 4, "calm windows count only in a row"
+
+
+def test_the_runs_last_groups_get_the_allowance_too_and_a_stop_none() -> None:
+    c = coordinator(max_staleness=1, batch_size=4, max_extra=2)  # capacity 8
+    c.extra = 2
+    c.wanted = 3
+    for _ in range(5):
+        c.admit()
+    assert not c.can_admit(), "without spare capacity no more groups than the run wants"
+    assert not c.can_admit(spare=True), "3 wanted and 2 that may expire are out"
+    c.release(0)
+    assert c.can_admit(spare=True), "the last step should not wait on its slowest group"
+    c.wanted = 0
+    assert not c.can_admit(spare=True), "after a stop nothing more goes out"
 
 
 def test_at_zero_staleness_no_group_goes_beyond_the_bound_into_a_full_window() -> None:
@@ -184,6 +249,26 @@ def test_a_group_that_misses_its_deadline_is_requeued_and_its_task_dispatched_ag
     ended = asyncio.run(groups.write_ended(step=1))
     assert [(e.ticket, e.outcome) for e in ended] == [(straggler, "requeued")]
     assert [line.outcome for line in lines] == ["requeued"]
+
+
+def test_groups_alive_when_the_run_ends_are_requeued_with_a_ledger_line_each() -> None:
+    c = coordinator(max_staleness=1, batch_size=1, max_extra=2)
+    lines: list[LedgerEntry] = []
+    groups = buffer(c, lines)
+    ready, ready_task = groups.dispatch()
+    running, running_task = groups.dispatch()
+    for index in range(2):
+        groups.add_episode(ready, episode(index, reward=float(index)))
+    groups.add_episode(running, episode(0, reward=1.0))
+    groups.end_run()
+    assert c.alive == 0 and not groups.generating(running), "both end, the running one is cut"
+    assert groups.take_discarded() == {"episodes/discarded": 3.0, "episodes/cancelled": 1.0}
+    ended = asyncio.run(groups.write_ended(step=5))
+    assert [(e.ticket, e.outcome) for e in ended] == [(running, "requeued"), (ready, "requeued")]
+    assert all(RUN_ENDED in line.reason for line in lines), [line.reason for line in lines]
+    assert groups.in_flight() == [(running_task.id, None), (ready_task.id, None)], (
+        "their tasks go first in a run extended from the final checkpoint, under new numbers"
+    )
 
 
 def test_group_ends_once_and_untrained_ones_free_their_slot() -> None:

@@ -11,16 +11,18 @@ breaks the protocol (metrics that are not numbers) is a `BackendReplyError`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import numbers
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 from unified.config import TrainerSection
 from unified.errors import BackendReplyError, StallError, TrainingInterrupted, first_cause
 from unified.protocol import BackendProtocol, RunStatus
 from unified.retry import NO_RETRY, retrying
+from unified.types import TrajectoryGroup
 
 __all__ = [
     "BackendCalls",
@@ -100,6 +102,23 @@ class BackendCalls:
                 f"({type(value).__name__}); metric values must be numbers (fix the backend)"
             )
         return {k: float(v) for k, v in reply.items()}
+
+    async def forward_backward(
+        self, groups: Sequence[TrajectoryGroup], per_call: int
+    ) -> list[dict[str, float]]:
+        """`forward_backward` on `groups` in their order, `per_call` groups a call; the replies."""
+        replies = []
+        for start in range(0, len(groups), per_call):
+            chunk = list(groups[start : start + per_call])
+            make = functools.partial(self.backend.forward_backward, chunk)
+            replies.append(await self.metrics("forward_backward", make))
+        return replies
+
+    async def on_policy_updated(self, version: int) -> None:
+        """The weight sync to policy `version`, within the deadline."""
+        await self.call(
+            "on_policy_updated", functools.partial(self.backend.on_policy_updated, version)
+        )
 
     async def shutdown(self, error: BaseException | None) -> None:
         """Tell the backend how the command ended (`error`, None for success), then shut it

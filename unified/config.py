@@ -218,12 +218,14 @@ class AsyncConfig(_Section):
     )
     max_concurrency: int = Field(64, ge=1, description="Most workflows running at once.")
     over_admit: float = Field(
-        1.0,
+        2.0,
         ge=0,
-        description="While workflow slots are free, admit this share of a window's groups "
-        "beyond what max_staleness holds; the trainer then trains the first groups ready and "
-        "gives a straggler that misses its deadline back to the task queue (ledger: requeued). "
-        "0: admit only what the bound holds, and wait for stragglers.",
+        description="While workflow slots are free, admit up to this share of a window's groups "
+        "beyond what max_staleness holds (the allowance doubles while the trainer waits on "
+        "stragglers, and shrinks while groups are thrown away and it never waits); the trainer "
+        "then trains the first groups ready and gives a straggler that misses its deadline back "
+        "to the task queue (ledger: requeued). 0: admit only what the bound holds, and wait "
+        "for stragglers.",
     )
     dispatch_rate: float | None = Field(
         None, gt=0, description="Most workflow starts per second (e.g. a remote API's limit)."

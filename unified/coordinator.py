@@ -12,10 +12,13 @@ Over-admission (async mode): while generation has spare capacity, up to `extra` 
 than the deadlines can hold are admitted. That many groups will miss their deadline anyway, so
 `may_take` lets the trainer pass over as many unfinished groups with earlier deadlines, and the
 groups whose deadline has passed when a window opens are `expired`: the buffer gives their tasks
-back to the queue. `extra` adapts between 0 and `max_extra`: one more each time the trainer
-waits while a group is still generating and its window has room (`note_blocked`), one less for
-each group that expired ready, which was generated for nothing (`note_wasted`). With
-`max_extra=0` (always in sync mode) no group ever expires.
+back to the queue. `extra` adapts between 0 and `max_extra`: it doubles (from one) each time the
+trainer waits while a group is still generating and its window has room (`note_blocked`), and
+loses one after `1 + max_staleness` windows in a row that threw away groups that were ready
+while the trainer never waited (`note_wasted`): a wait costs the trainer's time, a wasted group
+only spare generation. The run's last groups get the allowance too (`wanted`), so the last
+step need not wait on its slowest group. With `max_extra=0` (always in sync mode) no group
+ever expires.
 
 It also decides when the weights sync (`after_step`): every `sync_every` optimizer steps, in
 both modes. Pure arithmetic: no waiting, no clocks, no tasks. `TrajectoryGroupBuffer` is its one
@@ -47,6 +50,7 @@ class SyncCoordinator:
         steps_per_window: int | None = None,
     ) -> None:
         self.version = 0
+        self.batch_size = batch_size
         self.max_staleness = max_staleness
         self.sync_every = sync_every
         self.steps_per_window = sync_every if steps_per_window is None else steps_per_window
@@ -54,6 +58,8 @@ class SyncCoordinator:
         self.capacity = (1 + max_staleness) * self.slots_per_window
         self.max_extra = max_extra
         self.extra = 0
+        self._blocked = False  # the trainer waited on a generating group in this window
+        self._calm_windows = 0  # windows in a row that wasted groups while the trainer never waited
         self.taken = 0
         self.wanted: int | None = None
         self._alive: Counter[int] = Counter()
@@ -101,7 +107,11 @@ class SyncCoordinator:
         extra = self.extra if spare and not full else 0
         if self._alive_total + self.taken >= self.capacity + extra:
             return False
-        return self.wanted is None or self._alive_total < self.wanted
+        if self.wanted is None:
+            return True
+        # As many groups beyond the run's last ones as will expire anyway (none after a stop):
+        # else the last step waits on the slowest of exactly the groups it trains.
+        return self._alive_total < self.wanted + (extra if self.wanted else 0)
 
     def admit(self) -> int:
         """Register a dispatched group; return its version stamp. Call only if `can_admit()`."""
@@ -160,14 +170,25 @@ class SyncCoordinator:
         return None
 
     def note_blocked(self) -> None:
-        """The trainer waits on groups still generating: allow one more group beyond the bound,
-        once the last one allowed went out."""
+        """The trainer waits on groups still generating: once every group allowed beyond the
+        bound went out, double the allowance (one at least), up to `max_extra`."""
+        self._blocked = True
         if self.surplus >= self.extra and self.extra < self.max_extra:
-            self.extra += 1
+            self.extra = min(self.max_extra, max(1, 2 * self.extra))
 
     def note_wasted(self, groups: int) -> None:
-        """`groups` expired ready: they were admitted beyond what the trainer could use."""
-        self.extra = max(0, self.extra - groups)
+        """A window closed with `groups` expired ready, generated for nothing.
+
+        After `1 + max_staleness` such windows in a row in which the trainer never waited, allow
+        one group fewer: a change of the allowance shows only once the groups it admitted have
+        trained or expired, that many windows later, and a wait costs the trainer more than a
+        group costs spare generation."""
+        calm = groups > 0 and not self._blocked
+        self._calm_windows = self._calm_windows + 1 if calm else 0
+        if self._calm_windows > self.max_staleness:
+            self.extra = max(0, self.extra - 1)
+            self._calm_windows = 0
+        self._blocked = False
 
     def expired(self, version: int) -> bool:
         """Whether a group dispatched at `version` can no longer train within its deadline."""

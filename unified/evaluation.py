@@ -30,7 +30,14 @@ from unified.rollout import (
 from unified.session import backend_session
 from unified.types import Episode, SamplingParams, Task
 
-__all__ = ["episode_tool_calls", "evaluate", "is_correct", "run_eval", "tool_call_metrics"]
+__all__ = [
+    "episode_tool_calls",
+    "evaluate",
+    "evaluate_for",
+    "is_correct",
+    "run_eval",
+    "tool_call_metrics",
+]
 
 
 def is_correct(episode: Episode) -> bool:
@@ -82,6 +89,29 @@ async def evaluate(
         **tool_call_metrics(episodes),
         "time/eval": time.monotonic() - started,
     }
+
+
+async def evaluate_for(
+    config: TrainerConfig,
+    workflow: WorkflowFn,
+    sampler: TokenSampler,
+    tasks: Sequence[Task],
+    *,
+    version: int,
+    slots: WorkflowSlots,
+) -> dict[str, float]:
+    """`evaluate` with a run's settings: `sampling.eval`, `trainer.seed` and the workflow
+    deadline (`trainer.workflow_timeout_s`); the trainer and `unified eval` both call it."""
+    return await evaluate(
+        workflow,
+        sampler,
+        tasks,
+        config.sampling.eval,
+        seed=config.trainer.seed,
+        version=version,
+        timeout_s=config.trainer.workflow_timeout_s,
+        slots=slots,
+    )
 
 
 def episode_tool_calls(episode: Episode) -> tuple[int, int] | None:
@@ -147,14 +177,7 @@ async def run_eval(config: TrainerConfig, *, checkpoint: Path | None = None) -> 
         if source is not None:
             state = await RunDirectory.load_checkpoint(source, session.load_checkpoint)
             version, step = state.version, state.step
-        metrics = await evaluate(
-            workflow,
-            backend.token_sampler(),
-            tasks,
-            config.sampling.eval,
-            seed=config.trainer.seed,
-            version=version,
-            timeout_s=config.trainer.workflow_timeout_s,
-            slots=WorkflowSlots.for_config(config),
-        )
+        slots = WorkflowSlots.for_config(config)
+        sampler = backend.token_sampler()
+        metrics = await evaluate_for(config, workflow, sampler, tasks, version=version, slots=slots)
         return {**metrics, "eval/step": float(step)}

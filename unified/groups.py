@@ -28,9 +28,12 @@ from unified.data import TaskSampler
 from unified.types import Episode, Task, TrajectoryGroup
 from unified.waiting import Changes
 
-__all__ = ["EndedGroup", "GroupTicket", "Outcome", "TrajectoryGroupBuffer"]
+__all__ = ["RUN_ENDED", "EndedGroup", "GroupTicket", "Outcome", "TrajectoryGroupBuffer"]
 
 log = logging.getLogger(__name__)
+
+RUN_ENDED = "was still alive when the run ended"
+"""In the ledger reason of a group requeued after the run's last step (`end_run`)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -134,13 +137,14 @@ class TrajectoryGroupBuffer:
 
     # -- admission ------------------------------------------------------------------------------
 
-    def can_admit(self, *, spare: bool) -> bool:
-        """Whether one more group may be dispatched now; `spare`: a whole group would find free
-        workflow slots, so the coordinator may admit beyond the staleness bound."""
+    def can_admit(self, max_concurrency: int) -> bool:
+        """Whether one more group may be dispatched now; while a whole group would find free
+        workflow slots (of `max_concurrency`), the coordinator may admit beyond the bound."""
+        spare = self.episodes_running + self.group_size <= max_concurrency
         return self.coordinator.can_admit(spare=spare)
 
     def dispatch(self) -> tuple[GroupTicket, Task]:
-        """Admit one group (call only when `can_admit(spare=...)`); return it and its task."""
+        """Admit one group (call only when `can_admit(...)`); return it and its task."""
         if self._redispatch:
             task, old_seq = self._redispatch.popleft()
             seq = self._new_seq() if old_seq is None else old_seq
@@ -164,9 +168,10 @@ class TrajectoryGroupBuffer:
         """The tasks that run the episodes of a just dispatched group (cancelled if it expires)."""
         self._rollouts[ticket.group_id][1].extend(rollouts)
 
-    def set_wanted(self, groups: int) -> None:
-        """Admit no more groups than the run still needs to train."""
-        self.coordinator.wanted = groups
+    def want_steps(self, steps: int, *, taken: int = 0) -> None:
+        """Admit no more groups than `steps` more optimizer steps train (`taken` of the first
+        one's groups are taken already), beside the coordinator's allowance."""
+        self.coordinator.wanted = max(0, steps * self.coordinator.batch_size - taken)
         self._notify()
 
     def after_step(self, step: int) -> int | None:
@@ -184,19 +189,29 @@ class TrajectoryGroupBuffer:
         self._expire()
 
     def _expire(self) -> None:
-        expired = self.coordinator.expired
-        for ticket, rollouts in [r for r in self._rollouts.values() if expired(r[0].version)]:
-            for rollout in rollouts:
-                rollout.cancel()
-            self._requeue(ticket, finished=len(self._episodes[ticket.group_id]))
-        wasted = 0
-        while self._ready and expired(self._ready[0][0].version):
-            self._requeue(heapq.heappop(self._ready)[0], finished=self.group_size)
-            wasted += 1
-        self.coordinator.note_wasted(wasted)
+        c = self.coordinator
+        why = f"missed its deadline (weights at {c.version}, max_staleness {c.max_staleness})"
+        c.note_wasted(self._requeue_where(c.expired, why))
         self._notify()
 
-    def _requeue(self, ticket: GroupTicket, *, finished: int) -> None:
+    def end_run(self) -> None:
+        """The run trained its last step: the groups still alive, admitted beyond what it
+        needed, end requeued; a resumed run dispatches their tasks first."""
+        self._requeue_where(lambda version: True, RUN_ENDED)
+
+    def _requeue_where(self, requeued: Callable[[int], bool], why: str) -> int:
+        """Requeue the groups whose dispatch version is `requeued`; return how many were ready."""
+        for ticket, rollouts in [r for r in self._rollouts.values() if requeued(r[0].version)]:
+            for rollout in rollouts:
+                rollout.cancel()
+            self._requeue(ticket, why, finished=len(self._episodes[ticket.group_id]))
+        ready = 0
+        while self._ready and requeued(self._ready[0][0].version):  # a heap: oldest first
+            self._requeue(heapq.heappop(self._ready)[0], why, finished=self.group_size)
+            ready += 1
+        return ready
+
+    def _requeue(self, ticket: GroupTicket, why: str, *, finished: int) -> None:
         self.coordinator.release(ticket.version)
         task, _ = self._tasks.pop(ticket.group_id)
         self._redispatch.append((task, None))
@@ -206,9 +221,8 @@ class TrajectoryGroupBuffer:
             self._stop_generating(ticket.group_id)
             self.episodes_running -= self.group_size - finished
         reason = (
-            f"missed its deadline (dispatched at version {ticket.version}, weights at "
-            f"{self.coordinator.version}, max_staleness {self.coordinator.max_staleness}) with "
-            f"{finished} of {self.group_size} episodes done; its task is dispatched again"
+            f"dispatched at version {ticket.version}, {why} with {finished} of "
+            f"{self.group_size} episodes done; its task is dispatched again"
         )
         self._ended.append(EndedGroup(ticket, "requeued", ticket.version, reason, ()))
 
@@ -359,7 +373,7 @@ class TrajectoryGroupBuffer:
             ledger_lines=ledger_lines,
         )
 
-    def restore_state(self, state: TrainerState, tasks: Sequence[Task], batch_size: int) -> None:
+    def restore_state(self, state: TrainerState, tasks: Sequence[Task]) -> None:
         """Continue where `state` left off: its task order, version and window, and its groups
         in flight dispatched first under their old ids (those whose task is still in `tasks`)."""
         self._sampler.load_state_dict(state.sampler)
@@ -377,7 +391,7 @@ class TrajectoryGroupBuffer:
             )
         self.restore(
             version=state.version,
-            taken=(state.step % self.coordinator.steps_per_window) * batch_size,
+            taken=(state.step % self.coordinator.steps_per_window) * self.coordinator.batch_size,
             next_seq=state.next_seq,
             redispatch=[
                 (by_id[i], seq) for i, seq in zip(state.redispatch, seqs, strict=True) if i in by_id

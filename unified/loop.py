@@ -1,15 +1,12 @@
 """TrainingLoop: one `fit`, read top to bottom — dispatch groups, train ready ones, sync weights.
 
-Both modes are this one loop. A dispatcher admits groups whenever the buffer allows and runs each
-group's `group_size` workflows; the trainer takes ready groups oldest first, calls
-`forward_backward` on them (in async mode streamed, `micro_batch_size` groups at a time, while
-later groups still generate), `optim_step`, and when the coordinator says so `on_policy_updated`:
-the trainer's only wait at a sync, through which workflows keep running. Sync mode is the same
-loop at staleness 0 with a window of one step that trains only a whole batch, so generation and
-training alternate. Every task lives in a `TaskGroup` owned by `run`.
-
-One owner per fact: the `TrajectoryGroupBuffer` (with its `SyncCoordinator`) every group from
-admission to its ledger line, and the version; the `StepRecorder` counters, timing and metrics
+A dispatcher admits groups whenever the buffer allows and runs each group's `group_size`
+workflows; the trainer takes ready groups oldest first, calls `forward_backward` on them (in
+async mode streamed, `micro_batch_size` groups at a time), `optim_step`, and when due
+`on_policy_updated`: its only wait at a sync, through which workflows keep running. Sync mode is
+this loop at staleness 0 with a window of one step that trains only a whole batch. Every task
+lives in a `TaskGroup` owned by `run`. One owner per fact: the `TrajectoryGroupBuffer` (with its
+`SyncCoordinator`) every group and the version; the `StepRecorder` counters, timing and metrics
 lines; `GracefulStop` a stop request; the loop only the order of things.
 """
 
@@ -24,12 +21,12 @@ from pathlib import Path
 from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig
 from unified.errors import TrainingStopped
-from unified.evaluation import evaluate
+from unified.evaluation import evaluate_for
 from unified.executors import fewer_young_collections, rollout_executor
 from unified.groups import GroupTicket, TrajectoryGroupBuffer
 from unified.metrics import MetricsAggregator
 from unified.recorder import StepRecorder
-from unified.rollout import WorkflowFn, WorkflowSlots
+from unified.rollout import WorkflowFn, WorkflowSlots, episode_seed
 from unified.schedule import learning_rate
 from unified.session import BackendSession
 from unified.stopping import GracefulStop, StepAbandoned, no_signal_message
@@ -71,6 +68,7 @@ class TrainingLoop:
         # Async mode trains a micro-batch as soon as it is ready; sync mode only a whole batch.
         micro = settings.micro_batch_size if config.mode == "async" else None
         self._train_every: int = micro or settings.batch_size
+        self._per_call = settings.micro_batch_size or settings.batch_size  # groups a call
         self._time_up = False
         self.stop = GracefulStop(settings.stop_grace_s)
         self._saved_step = 0  # the step of the newest checkpoint; step 0 needs none
@@ -94,19 +92,17 @@ class TrainingLoop:
             # The backend restores its sampler (weights and version) itself.
             state = await RunDirectory.load_checkpoint(checkpoint, self.session.load_checkpoint)
             self.step = self._saved_step = state.step
-            self.groups.restore_state(state, self.train_tasks, settings.batch_size)
+            self.groups.restore_state(state, self.train_tasks)
         stopping = self.stop_signal is not None
         if self.step == 0 and settings.eval_before_train and self.eval_tasks and not stopping:
             await self.recorder.log(self.step, await self._evaluate())
-        self.groups.set_wanted(self._groups_wanted(0))
+        self._want_groups()
         self.recorder.start_clocks()
         self.groups.take_idle_seconds()
 
     async def run(self) -> None:
-        """Train until `total_steps` (or `max_time_s`, or a stop); the dispatcher runs alongside.
-
-        After a stop, a checkpoint of the last trained step is written unless one exists.
-        """
+        """Train until `total_steps` (or `max_time_s`, or a stop), the dispatcher alongside;
+        after a stop, save the last trained step unless a checkpoint holds it."""
         with fewer_young_collections():
             async with self.rollouts.serving(), asyncio.TaskGroup() as tg:
                 dispatcher = tg.create_task(self._dispatch())
@@ -128,7 +124,7 @@ class TrainingLoop:
         `loop.add_signal_handler` runs there); a second call changes nothing.
         """
         if self.stop.request(signal_number, self.step):
-            self.groups.set_wanted(0)
+            self._want_groups()
 
     @property
     def finished(self) -> bool:
@@ -145,12 +141,7 @@ class TrainingLoop:
         """Admit groups whenever the buffer allows; their workflows run as tasks here. While a
         whole group would find free workflow slots, it may admit beyond the staleness bound."""
         group_size = self.config.trainer.group_size
-        max_concurrency = self.config.async_.max_concurrency
-
-        def can_admit() -> bool:
-            spare = self.groups.episodes_running + group_size <= max_concurrency
-            return self.groups.can_admit(spare=spare)
-
+        can_admit = functools.partial(self.groups.can_admit, self.config.async_.max_concurrency)
         async with asyncio.TaskGroup() as rollouts:
             while True:
                 # No stall clock: only the trainer frees slots, and its own waits have deadlines.
@@ -164,7 +155,7 @@ class TrainingLoop:
 
     async def _rollout(self, ticket: GroupTicket, task: Task, index: int) -> None:
         settings = self.config.trainer
-        seed = ((settings.seed * 1_000_003 + ticket.seq) * 1_009 + index) % 2**31
+        seed = episode_seed(settings.seed, ticket.seq, index)
         async with self.slots:
             episode, error, tokens = await self.rollouts.run(
                 task, index, version=ticket.version, seed=seed
@@ -188,25 +179,16 @@ class TrainingLoop:
             started = time.monotonic()
             items.append(await self.stop.next_ready(self.groups, batch - len(items)))
             wait_s += time.monotonic() - started
-            self.groups.set_wanted(self._groups_wanted(len(items)))
+            self._want_groups(taken=len(items))
             self.recorder.ended(await self.groups.write_ended(self.step + 1))
             if len(items) % self._train_every == 0 or len(items) == batch:
                 first = (len(items) - 1) // self._train_every * self._train_every
-                forward_s += await self._forward(items[first:])
+                started = time.monotonic()  # forward_backward in dispatch order
+                ready = [group for _, group in sorted(items[first:], key=lambda item: item[0])]
+                for reply in await self.calls.forward_backward(ready, self._per_call):
+                    self.recorder.forward_reply(reply)
+                forward_s += time.monotonic() - started
         await self._finish_step(items, forward_s=forward_s, wait_s=wait_s)
-
-    async def _forward(self, items: list[Item]) -> float:
-        """`forward_backward` on `items` in dispatch order, `micro_batch_size` groups a call."""
-        started = time.monotonic()
-        ordered = sorted(items, key=lambda item: item[0])
-        chunk = self.config.trainer.micro_batch_size or self.config.trainer.batch_size
-        for start in range(0, len(ordered), chunk):
-            groups = [group for _, group in ordered[start : start + chunk]]
-            reply = await self.calls.metrics(
-                "forward_backward", functools.partial(self.backend.forward_backward, groups)
-            )
-            self.recorder.forward_reply(reply)
-        return time.monotonic() - started
 
     async def _finish_step(self, items: list[Item], *, forward_s: float, wait_s: float) -> None:
         """Optimizer step, ledger, weight sync when due, metrics, eval, save."""
@@ -222,22 +204,18 @@ class TrainingLoop:
         await self.groups.write_trained(items, self.step, trained_at, reason=reason)
         sync_s = 0.0
         if (version := self.groups.after_step(self.step)) is not None:
-            sync_s = await self._sync_weights(version)
+            synced = time.monotonic()
+            await self.calls.on_policy_updated(version)  # running workflows carry on
+            self.groups.open_window(version)
+            sync_s = time.monotonic() - synced
+        if self.step >= settings.total_steps:
+            self.groups.end_run()
         self.recorder.ended(await self.groups.write_ended(self.step))  # the requeued, if any
-        self.groups.set_wanted(self._groups_wanted(0))
-        budget = settings.max_time_s
+        self._want_groups()
         # Decided once per step, so the final eval and save see the same answer as the loop.
-        self._time_up = budget is not None and time.monotonic() - self.recorder.started_at >= budget
+        self._time_up = self.recorder.time_up()
         metrics = self.recorder.step_metrics(
-            self.step,
-            items,
-            trained_at=trained_at,
-            version=self.groups.version,
-            wait_s=wait_s,
-            train_s=train_s,
-            sync_s=sync_s,
-            rollout_idle_s=self.groups.take_idle_seconds(),
-            discarded=self.groups.take_discarded(),
+            self.step, items, self.groups, trained_at, wait_s=wait_s, train_s=train_s, sync_s=sync_s
         )
         every = settings.eval_every
         if self.eval_tasks and every > 0 and (self.step % every == 0 or self.finished):
@@ -248,35 +226,17 @@ class TrainingLoop:
             await self._save()
         self.recorder.step_done()
 
-    async def _sync_weights(self, version: int) -> float:
-        """Make the trained weights policy `version`; running workflows carry on."""
-        started = time.monotonic()
-        await self.calls.call(
-            "on_policy_updated", functools.partial(self.backend.on_policy_updated, version)
-        )
-        self.groups.open_window(version)
-        return time.monotonic() - started
-
     # -- evaluation and checkpoints ---------------------------------------------------------------
 
-    def _groups_wanted(self, taken_this_step: int) -> int:
-        if self.stop_signal is not None:
-            return 0
-        settings = self.config.trainer
-        remaining = (settings.total_steps - self.step) * settings.batch_size - taken_this_step
-        return max(0, remaining)
+    def _want_groups(self, taken: int = 0) -> None:
+        """Dispatch only what the steps left need (`taken`: this step's); after a stop, none."""
+        steps = self.config.trainer.total_steps - self.step if self.stop_signal is None else 0
+        self.groups.want_steps(steps, taken=taken)
 
     async def _evaluate(self) -> dict[str, float]:
-        settings = self.config.trainer
-        return await evaluate(
-            self.workflow,
-            self.backend.token_sampler(),
-            self.eval_tasks,
-            self.config.sampling.eval,
-            seed=settings.seed,
-            version=self.groups.version,
-            timeout_s=settings.workflow_timeout_s,
-            slots=self.slots,
+        sampler, version = self.backend.token_sampler(), self.groups.version
+        return await evaluate_for(
+            self.config, self.workflow, sampler, self.eval_tasks, version=version, slots=self.slots
         )
 
     async def _save(self) -> None:
@@ -287,5 +247,4 @@ class TrainingLoop:
 
     def describe(self) -> str:
         """Who is where, for the error of a wait that passed its deadline."""
-        running = self.slots.running
-        return f"step={self.step}, {self.groups.describe()}, workflows running={running}"
+        return f"step={self.step}, {self.groups.describe()}, workflows running={self.slots.running}"

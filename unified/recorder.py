@@ -21,7 +21,7 @@ from unified.backend_calls import finite
 from unified.config import TrainerConfig
 from unified.errors import StallError, TrainingStopped
 from unified.evaluation import episode_tool_calls
-from unified.groups import EndedGroup, GroupTicket
+from unified.groups import EndedGroup, GroupTicket, TrajectoryGroupBuffer
 from unified.metrics import MetricsAggregator
 from unified.schedule import learning_rate
 from unified.threads import DaemonWorker
@@ -96,22 +96,28 @@ class StepRecorder:
         done = "update skipped" if skipped else "update applied (the backend cannot skip it)"
         return f"{done}: non-finite loss or gradient norm"
 
+    def time_up(self) -> bool:
+        """Whether the `trainer.max_time_s` budget is spent (counted from `start_clocks`)."""
+        budget = self.config.trainer.max_time_s
+        return budget is not None and time.monotonic() - self.started_at >= budget
+
     def step_metrics(
         self,
         step: int,
         items: Sequence[tuple[GroupTicket, TrajectoryGroup]],
-        *,
+        groups: TrajectoryGroupBuffer,
         trained_at: int,
-        version: int,
+        *,
         wait_s: float,
         train_s: float,
         sync_s: float,
-        rollout_idle_s: float,
-        discarded: dict[str, float],
     ) -> dict[str, float]:
         """The line of `step`, which trained `items` on the weights of `trained_at` and left
-        the policy at `version`; `wait_s` waiting for groups, `train_s` training, `sync_s`
-        syncing, `rollout_idle_s` with nothing generating since the last step's line."""
+        `groups` at their version; `wait_s` waiting for groups, `train_s` training, `sync_s`
+        syncing. It takes the generation thrown away and the rollouts' idle time from `groups`."""
+        version = groups.version
+        rollout_idle_s = groups.take_idle_seconds()
+        discarded = groups.take_discarded()
         for ticket, _ in items:
             self._record_rewards(ticket.rewards)
         staleness = [trained_at - group.policy_version for _, group in items]

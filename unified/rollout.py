@@ -37,6 +37,7 @@ __all__ = [
     "WorkflowDeadlines",
     "WorkflowFn",
     "WorkflowSlots",
+    "episode_seed",
     "required_fields",
     "resolve_workflow",
     "run_episode",
@@ -152,6 +153,12 @@ class WorkflowSlots:
     async def __aexit__(self, *exc_info: object) -> None:
         self.running -= 1
         self._free.release()
+
+
+def episode_seed(run_seed: int, seq: int, index: int) -> int:
+    """The sampling seed of rollout `index` of the group with sequence number `seq`: the same
+    group (a resumed run dispatches it under its own number) samples the same."""
+    return ((run_seed * 1_000_003 + seq) * 1_009 + index) % 2**31
 
 
 def resolve_workflow(workflow: Any, args: Mapping[str, Any] | None = None) -> WorkflowFn:

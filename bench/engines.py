@@ -1,5 +1,8 @@
 """Sampling engines compared: tokens/s of the built-in sampler and of vLLM (`VllmSampler`).
 
+vLLM is also driven directly (`AsyncLLM.generate` on the same engine, same requests and
+settings), so `VllmSampler`'s own cost shows as a ratio (target >= 0.9x).
+
 One process, one model (the built-in tiny model unless `--model` names a model directory), both
 engines on the same countdown-like prompts at temperature 1, rounds alternating between them so
 a busy host slows both alike; the figure is completion tokens over wall time per round, the
@@ -57,6 +60,33 @@ async def round_of(sampler: TokenSampler, batch: list[list[int]], max_tokens: in
     return sum(len(o.completion_ids) for o in outs) / (time.perf_counter() - start)
 
 
+async def direct_round(vllm: VllmSampler, batch: list[list[int]], max_tokens: int) -> float:
+    """Completion tokens per second of the same requests sent to the same vLLM engine
+    directly (`AsyncLLM.generate`, the settings `VllmSampler` sends): what the wrapper costs."""
+    from vllm import SamplingParams as VllmParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    async def one(i: int, ids: list[int]) -> int:
+        params = VllmParams(
+            temperature=1.0,
+            top_p=1.0,
+            max_tokens=max_tokens,
+            stop_token_ids=sorted(vllm.end_tokens),
+            seed=i,
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            skip_special_tokens=True,
+        )
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        outputs = [o async for o in vllm.engine.generate(prompt, params, f"d{i}-{time.time_ns()}")]
+        return len(outputs[-1].outputs[0].token_ids)
+
+    start = time.perf_counter()
+    tokens = await asyncio.gather(*[one(i, ids) for i, ids in enumerate(batch)])
+    return sum(tokens) / (time.perf_counter() - start)
+
+
 @torch.no_grad()
 def hf_round(model: Any, tokenizer: Any, batch: list[list[int]], max_tokens: int) -> float:
     """Completion tokens per second of Hugging Face `generate` on the whole batch at once
@@ -93,23 +123,27 @@ async def measure(args: argparse.Namespace, vllm: VllmSampler, builtin: Batching
         batch = prompts(tokenizer, size, seed=size)
         await round_of(vllm, batch, 4)  # warm-up
         await round_of(builtin, batch, 4)
-        rates: dict[str, list[float]] = {"builtin": [], "vllm": [], "hf": []}
+        await direct_round(vllm, batch, 4)
+        rates: dict[str, list[float]] = {"builtin": [], "vllm": [], "direct": [], "hf": []}
         for _ in range(args.rounds):
             rates["builtin"].append(await round_of(builtin, batch, args.max_tokens))
             rates["vllm"].append(await round_of(vllm, batch, args.max_tokens))
+            rates["direct"].append(await direct_round(vllm, batch, args.max_tokens))
             if args.hf:
                 rates["hf"].append(
                     await asyncio.to_thread(hf_round, model, tokenizer, batch, args.max_tokens)
                 )
         row = {name: statistics.median(r) for name, r in rates.items() if r}
         row |= {"batch": size, "vllm_over_builtin": row["vllm"] / row["builtin"]}
+        row |= {"vllm_over_direct": row["vllm"] / row["direct"]}
         if args.hf:
             row |= {"vllm_over_hf": row["vllm"] / row["hf"]}
         results["rows"].append(row)
         hf = f"  hf generate {row['hf']:9.0f} tok/s" if args.hf else ""
         print(
             f"batch {size:4d}: builtin {row['builtin']:9.0f} tok/s  vllm {row['vllm']:9.0f} "
-            f"tok/s{hf}  vllm/builtin {row['vllm_over_builtin']:.2f}x",
+            f"tok/s  vllm directly {row['direct']:9.0f} tok/s{hf}  vllm/builtin "
+            f"{row['vllm_over_builtin']:.2f}x  vllm/direct {row['vllm_over_direct']:.2f}x",
             flush=True,
         )
     results |= await measure_sync(args, vllm, builtin.model.state_dict())

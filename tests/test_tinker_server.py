@@ -247,6 +247,13 @@ def test_tinker_serve_with_a_failing_model_provider_is_one_clear_line(
         (["--faults", '{"nope": 1}'], "--faults: nope: Extra inputs are not permitted"),
         (["--max-batch", "0"], "argument --max-batch: must be at least 1, got 0"),
         (["--keep-samplers", "0"], "argument --keep-samplers: must be at least 1, got 0"),
+        (["--engine", "gpu"], "argument --engine: invalid choice: 'gpu'"),
+        (["--vllm", "{}"], "--vllm sets the vLLM engine: add --engine vllm"),
+        (["--engine", "vllm", "--vllm", "{bad"], "--vllm is not JSON"),
+        (
+            ["--engine", "vllm", "--vllm", '{"kv_cache_gb": 0}'],
+            "--vllm: kv_cache_gb: Input should be greater than 0",
+        ),
     ],
 )
 def test_tinker_serve_refuses_bad_arguments_in_one_line(

@@ -72,3 +72,24 @@ def test_every_request_runs_on_its_snapshots_weights_and_ends(
     assert engine.loads <= len(plan), f"{engine.loads} reloads for {len(plan)} requests"
     if all(version == 0 for version, _, _ in plan):
         assert engine.loads == 0, "the engine starts on the base weights: nothing to reload"
+
+
+def test_requests_alternating_between_snapshots_gather_into_one_turn_each() -> None:
+    engine = FakeEngine()
+    turns = _Turns(cast(VllmSampler, engine))
+    order: list[int] = []
+
+    async def request(version: int) -> None:
+        async with turns.turn(version, {}):
+            order.append(version)
+            await asyncio.sleep(0)
+
+    async def run_all() -> None:
+        async with asyncio.timeout(10), asyncio.TaskGroup() as group:
+            for version in [1, 2] * 4:
+                group.create_task(request(version))
+
+    asyncio.run(run_all())
+    # 1 runs first; its later requests queue behind 2's turn, which was waiting before them.
+    assert order == [1, 2, 2, 2, 2, 1, 1, 1], order
+    assert engine.loads == 3, f"{engine.loads} reloads: one per turn (1, 2, 1)"

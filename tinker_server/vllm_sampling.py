@@ -4,8 +4,10 @@ vLLM holds one set of weights per engine while every sampling session samples it
 so one engine serves them all in turns: the requests of one snapshot run together (vLLM's
 continuous batching), and when the next turn is another snapshot's, the engine is reloaded in
 place with its weights (`VllmSampler.load_weights`, the shared-memory sync) once the running
-turn has ended. Turns are first come, first served: a request for the loaded snapshot joins the
-running turn only while no request for another snapshot waits, so no snapshot starves.
+turn has ended. Turns are first come, first served, one queued per snapshot: a request joins
+the running turn only while no request for another snapshot waits, else its snapshot's queued
+turn (a new one at the back if none), so no snapshot starves and requests that alternate
+between snapshots cost a reload per turn, not per request.
 Invariant: a request runs only while its snapshot's weights are loaded; every output carries
 the engine's version, which is the snapshot's own number, and is checked.
 
@@ -167,11 +169,7 @@ class _Turns:
     async def turn(self, version: int, weights: dict[str, torch.Tensor]) -> AsyncIterator[None]:
         """Hold the engine with snapshot `version` loaded (`weights`) for one request."""
         async with self._changed:
-            last = self._queue[-1] if self._queue else None
-            turn = last if last is not None and last.version == version else None
-            if turn is None:
-                turn = _Turn(version, weights)
-                self._queue.append(turn)
+            turn = self._join(version, weights)
             turn.waiting += 1
             try:
                 while not (self._queue[0] is turn and self._loaded == version):
@@ -195,6 +193,17 @@ class _Turns:
             async with self._changed:
                 turn.running -= 1
                 self._leave(turn)
+
+    def _join(self, version: int, weights: dict[str, torch.Tensor]) -> _Turn:
+        """The turn a new request for `version` takes: the running one while no other waits,
+        else the one queued for `version`, else a new one at the back. So each snapshot has at
+        most one turn queued, and a queued turn waits for at most one turn per other snapshot."""
+        for index, turn in enumerate(self._queue):
+            if turn.version == version and (index > 0 or len(self._queue) == 1):
+                return turn
+        turn = _Turn(version, weights)
+        self._queue.append(turn)
+        return turn
 
     def _leave(self, turn: _Turn) -> None:
         if turn.waiting == 0 and turn.running == 0:

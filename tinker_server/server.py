@@ -45,6 +45,10 @@ __all__ = ["DEFAULT_STORE", "LocalServer", "create_app", "main"]
 
 DEFAULT_STORE = Path(".cache/tinker-store")
 
+START_TIMEOUT_S = {"builtin": 120.0, "vllm": 900.0}
+"""How long `tinker-serve` waits for its model and engine to load: vLLM's start took 20-60 s
+alone on 2 cores, and more than 120 s on a busy host (then the server gave up mid-start)."""
+
 log = logging.getLogger(__name__)
 _Settings = TypeVar("_Settings", bound=BaseModel)
 
@@ -447,6 +451,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="stop when stdin closes (a parent process that dies takes the server with it)",
     )
     args = parser.parse_args(argv)
+    # vLLM logs to stdout by default; stdout is where the URL line goes (`ServerProcess` reads
+    # it first, and nobody reads the pipe after it).
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
     def serve() -> int:
         faults = _parse_json("--faults", args.faults, Faults) if args.faults else None
@@ -466,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             vllm=vllm,
             aliases=[args.model, *args.alias],  # a provider's name, not only its directory
         )
-        url = server.start()
+        url = server.start(timeout_s=START_TIMEOUT_S[args.engine])
         if args.exit_with_stdin:
             threading.Thread(target=_stop_at_eof, args=(server,), daemon=True).start()
         auth = "X-API-Key required" if args.api_key else "any tml- key"

@@ -348,6 +348,9 @@ class LocalServer:
         """Start serving and wait (at most `timeout_s`) for the model to load; the base URL."""
         self._thread.start()
         if not self._ready.wait(timeout_s):
+            # The load cannot be interrupted: once it ends, the server stops and frees what it
+            # started (a vLLM engine left running would keep this process from exiting).
+            self._server.should_exit = True
             raise TimeoutError(f"the local Tinker server did not load within {timeout_s:g} s")
         error = self._error or self.app.state.load_error
         if error is not None or not self._thread.is_alive():

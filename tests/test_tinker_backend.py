@@ -237,6 +237,20 @@ def test_an_unreachable_server_is_one_clear_error(
         asyncio.run(TinkerBackend().setup(load_config(tinker_config(None))))
 
 
+def test_a_local_vllm_setting_the_model_cannot_take_stops_the_run_at_start_up(
+    tinker_config: Any, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Checked before vLLM is imported: holds without the vllm package too."""
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    config = tinker_config()
+    config["tinker"] |= {"local_engine": "vllm", "local_vllm": {"max_model_len": 100000}}
+    with pytest.raises(UsageError, match="the local Tinker server failed to start"):
+        asyncio.run(TinkerBackend().setup(load_config(config)))
+    err = capfd.readouterr().err.strip()  # the server's own line (a child process)
+    assert len(err.splitlines()) == 1, err
+    assert "'--vllm.max_model_len': 100000 exceeds the model's 256 positions" in err, err
+
+
 def test_the_folded_entropy_bonus_keeps_the_policy_more_random(
     server: LocalServer, tinker_config: Any
 ) -> None:

@@ -208,6 +208,44 @@ async def test_stop_ends_the_server_in_order_and_a_terminal_ctrl_c_does_not_reac
     assert process.returncode == 0, "stopped by its stdin closing, not killed"
 
 
+async def test_a_hung_server_process_is_killed_with_what_it_started(tmp_path: Path) -> None:
+    """A vLLM engine process left behind by a dying server holds its stdout open: stop() must
+    still return, and take that process along (the child's own process group)."""
+    pid_file = tmp_path / "grandchild.pid"
+    hung = (
+        "import subprocess, sys, time; "
+        "started = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(started.pid)); "
+        "print('tinker-serve: fake at http://127.0.0.1:1 (hung)', flush=True); time.sleep(600)"
+    )
+    server = ServerProcess("builtin:tiny", store=tmp_path / "store")
+    server.args = ["-c", hung]  # ignores its stdin closing, like a server stuck loading
+    await server.start(timeout_s=DEADLINE_S)
+    process = server._process
+    assert process is not None
+    async with asyncio.timeout(DEADLINE_S):
+        await server.stop(timeout_s=1)
+    assert process.returncode is not None, "the child was killed"
+    assert await ended(int(pid_file.read_text())), "the process the child started was killed"
+
+
+async def ended(pid: int) -> bool:
+    """Whether process `pid` ends (or is a zombie) within a few seconds."""
+    for _ in range(100):
+        if not running(pid):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
 async def test_a_server_process_that_cannot_load_its_model_is_one_clear_error(
     tmp_path: Path,
 ) -> None:
@@ -247,6 +285,13 @@ def test_tinker_serve_with_a_failing_model_provider_is_one_clear_line(
         (["--faults", '{"nope": 1}'], "--faults: nope: Extra inputs are not permitted"),
         (["--max-batch", "0"], "argument --max-batch: must be at least 1, got 0"),
         (["--keep-samplers", "0"], "argument --keep-samplers: must be at least 1, got 0"),
+        (["--engine", "gpu"], "argument --engine: invalid choice: 'gpu'"),
+        (["--vllm", "{}"], "--vllm sets the vLLM engine: add --engine vllm"),
+        (["--engine", "vllm", "--vllm", "{bad"], "--vllm is not JSON"),
+        (
+            ["--engine", "vllm", "--vllm", '{"kv_cache_gb": 0}'],
+            "--vllm: kv_cache_gb: Input should be greater than 0",
+        ),
     ],
 )
 def test_tinker_serve_refuses_bad_arguments_in_one_line(

@@ -121,7 +121,8 @@ METHODS: dict[str, Support] = {
     ),
     "SamplingClient.on_queue_state_change": _client("the local queue is always active"),
     "SamplingClient.sample": _served(
-        "`temperature`, `top_p`, `stop`, `seed`, prompt logprobs, `topk_prompt_logprobs`; "
+        "`temperature`, `top_p`, `stop`, `seed`, prompt logprobs, `topk_prompt_logprobs` "
+        "(at most 20 with `--engine vllm`); "
         "`top_k`, `topk_sample_logprobs`, `target_prompt_logprobs`, `prompt_alt_tokens_k` refused"
     ),
     "RestClient.assign_session_project": _route("PUT", "/api/v1/sessions/{session_id}/project"),

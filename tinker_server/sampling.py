@@ -1,10 +1,13 @@
-"""Sampling sessions of the local Tinker server, served by the torch kit's batching sampler.
+"""Sampling sessions of the local Tinker server: weight snapshots, each sampled by an engine.
 
 A sampling session samples from one fixed snapshot of weights (the base model, or a training
 model's weights with its adapters merged at the moment the session was made), so a training
 step never changes what a running session samples: a new policy version is a new session.
-Each snapshot has its own `BatchingSampler`; concurrent requests to one session are batched.
 The pool keeps the newest `keep` snapshots; a request to an evicted one is a clear user error.
+What samples a snapshot is the server's engine (`SnapshotEngine`, `tinker-serve --engine`): the
+built-in one here gives each snapshot its own `BatchingSampler` (concurrent requests of one
+session share batches); vLLM's (`vllm_sampling.py`) loads the snapshot being sampled into one
+engine. Invariant: a session's samples and prompt logprobs come from its snapshot's weights.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -24,9 +27,18 @@ from tinker_server.training import UserError
 from tinker_server.wire import SampledTokens
 from torchkit.sampler import BatchingSampler
 from unified.errors import UsageError
-from unified.types import SamplingParams
+from unified.types import ModelOutput, SamplingParams
 
-__all__ = ["SamplerPool", "TopK", "sampling_params_from_wire", "untied_copy"]
+__all__ = [
+    "BuiltinEngine",
+    "SamplerPool",
+    "Scored",
+    "SnapshotEngine",
+    "SnapshotSampler",
+    "TopK",
+    "sampling_params_from_wire",
+    "untied_copy",
+]
 
 BASE = "base"
 
@@ -74,37 +86,101 @@ def sampling_params_from_wire(
         raise UserError(f"invalid sampling_params: {e}") from e
 
 
-class SamplerPool:
-    """The server's sampling sessions: id -> snapshot -> batching sampler."""
+class SnapshotSampler(Protocol):
+    """Samples and scores one snapshot's weights; what the pool keeps per snapshot."""
+
+    async def sample(
+        self, prompt_ids: list[int], params: list[SamplingParams]
+    ) -> list[ModelOutput]:
+        """One completion of `prompt_ids` per entry of `params`, all in flight together."""
+        ...
+
+    async def score(self, prompt_ids: list[int], k: int) -> Scored:
+        """The prompt's logprobs and, with `k` > 0, its top-k next tokens per position."""
+        ...
+
+
+class SnapshotEngine(Protocol):
+    """What samples the server's snapshots: the built-in sampler, or vLLM."""
+
+    @property
+    def max_positions(self) -> int | None:
+        """Most tokens (prompt + completion) one request may use."""
+        ...
+
+    def snapshot(self, weights: dict[str, torch.Tensor] | None) -> SnapshotSampler:
+        """A sampler of `weights` (None: the base model); blocking."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine (its processes, files)."""
+        ...
+
+
+class BuiltinEngine:
+    """The built-in engine: a `BatchingSampler` (its own copy of the model) per snapshot."""
 
     def __init__(
-        self,
-        template: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        *,
-        max_batch: int = 64,
-        keep: int = 8,
+        self, template: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, max_batch: int
     ) -> None:
         self.template = template
         self.tokenizer = tokenizer
         self.max_batch = max_batch
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.template.config, "max_position_embeddings", None)
+
+    def snapshot(self, weights: dict[str, torch.Tensor] | None) -> SnapshotSampler:
+        sampler = BatchingSampler(self.template, self.tokenizer, max_batch=self.max_batch)
+        if weights is not None:
+            sampler.load_weights(weights, 0)
+        return _BuiltinSnapshot(sampler)
+
+    def close(self) -> None:
+        pass
+
+
+class _BuiltinSnapshot:
+    def __init__(self, sampler: BatchingSampler) -> None:
+        self.sampler = sampler
+        self._scorer: _PromptScorer | None = None
+
+    async def sample(
+        self, prompt_ids: list[int], params: list[SamplingParams]
+    ) -> list[ModelOutput]:
+        return list(await asyncio.gather(*[self.sampler.sample(prompt_ids, p) for p in params]))
+
+    async def score(self, prompt_ids: list[int], k: int) -> Scored:
+        if self._scorer is None:
+            self._scorer = _PromptScorer(self.sampler.model)
+        return await self._scorer.score(prompt_ids, k)
+
+
+class SamplerPool:
+    """The server's sampling sessions: id -> snapshot -> the engine's sampler of it."""
+
+    def __init__(
+        self, engine: SnapshotEngine, tokenizer: PreTrainedTokenizerBase, *, keep: int = 8
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
         self.keep = keep
-        self._samplers: OrderedDict[str, BatchingSampler] = OrderedDict()
+        self._samplers: OrderedDict[str, SnapshotSampler] = OrderedDict()
         self._snapshot_of: dict[str, str] = {}
-        self._scorers: dict[str, _PromptScorer] = {}
         self._owner: dict[str, str | None] = {}  # snapshot -> the training model that made it
         self._lock = threading.Lock()  # snapshots are added from worker threads
 
     @property
     def max_positions(self) -> int | None:
         """Most tokens (prompt + completion) one request may use."""
-        return getattr(self.template.config, "max_position_embeddings", None)
+        return self.engine.max_positions
 
     def add_base(self, session_id: str) -> None:
         """Make `session_id` sample from the base model (blocking the first time)."""
         base = None
         if BASE not in self._samplers:
-            base = BatchingSampler(self.template, self.tokenizer, max_batch=self.max_batch)
+            base = self.engine.snapshot(None)
         with self._lock:  # snapshots are added from other worker threads
             if base is not None and BASE not in self._samplers:
                 self._samplers[BASE] = base
@@ -113,13 +189,12 @@ class SamplerPool:
     def add_snapshot(
         self, session_id: str, weights: dict[str, torch.Tensor], owner: str | None = None
     ) -> None:
-        """Make `session_id` sample from `weights` (blocking: copies the model).
+        """Make `session_id` sample from `weights` (blocking: the engine prepares them).
 
         The newest `keep` snapshots of each `owner` (a training model; None: loaded from a path)
         are kept: one run's syncs never expire another run's samplers.
         """
-        sampler = BatchingSampler(self.template, self.tokenizer, max_batch=self.max_batch)
-        sampler.load_weights(weights, 0)
+        sampler = self.engine.snapshot(weights)
         with self._lock:
             self._samplers[session_id] = sampler
             self._snapshot_of[session_id] = session_id
@@ -135,10 +210,13 @@ class SamplerPool:
     def _drop(self, snapshots: list[str]) -> None:
         for old in snapshots:
             del self._samplers[old]
-            self._scorers.pop(old, None)
             self._owner.pop(old, None)
 
-    def _sampler(self, session_id: str) -> BatchingSampler:
+    def close(self) -> None:
+        """Free the engine."""
+        self.engine.close()
+
+    def _sampler(self, session_id: str) -> SnapshotSampler:
         snapshot = self._snapshot_of.get(session_id)
         if snapshot is None:
             raise UserError(f"unknown sampling session {session_id!r}")
@@ -173,11 +251,12 @@ class SamplerPool:
             seed = None if params.seed is None else params.seed + i
             return params.model_copy(update={"seed": seed})
 
+        scored = topk = None
         try:
-            outputs = await asyncio.gather(
-                *[sampler.sample(prompt_ids, nth(i)) for i in range(num_samples)]
-            )
-        except UsageError as e:  # from the sampler's checks: prompt too long, or empty
+            outputs = await sampler.sample(prompt_ids, [nth(i) for i in range(num_samples)])
+            if prompt_logprobs or topk_prompt:
+                scored, topk = await sampler.score(prompt_ids, topk_prompt)
+        except UsageError as e:  # the engine's checks: prompt too long or empty, top-k too large
             raise UserError(str(e)) from e
         sequences = [
             SampledTokens(
@@ -187,11 +266,6 @@ class SamplerPool:
             )
             for o in outputs
         ]
-        scored = topk = None
-        if prompt_logprobs or topk_prompt:
-            snapshot = self._snapshot_of[session_id]
-            scorer = self._scorers.setdefault(snapshot, _PromptScorer(sampler.model))
-            scored, topk = await scorer.score(prompt_ids, topk_prompt)
         return sequences, scored if prompt_logprobs else None, topk
 
 
@@ -203,9 +277,9 @@ class _PromptScorer:
         self._waiting: list[_Scoring] = []
         self._running: asyncio.Future[None] | None = None
 
-    async def score(self, prompt_ids: list[int], k: int = 0) -> _Scored:
+    async def score(self, prompt_ids: list[int], k: int = 0) -> Scored:
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[_Scored] = loop.create_future()
+        future: asyncio.Future[Scored] = loop.create_future()
         self._waiting.append((prompt_ids, k, future))
         await asyncio.sleep(0)  # requests of the same tick join one batch
         while not future.done():
@@ -220,15 +294,16 @@ TopK = tuple[np.ndarray, np.ndarray]
 """Top-k prompt logprobs: token ids (int32) and logprobs (float32), each `(prompt length, k)`;
 position 0 (nothing precedes it) holds the SDK's sentinel, token 0 with `MASK_LOGPROB`."""
 MASK_LOGPROB = -99999.0
-_Scored = tuple[list[float], TopK | None]
-_Scoring = tuple[list[int], int, asyncio.Future[_Scored]]
+Scored = tuple[list[float], TopK | None]
+"""A prompt's logprobs (NaN first: nothing precedes it) and, if asked, its top-k (`TopK`)."""
+_Scoring = tuple[list[int], int, asyncio.Future[Scored]]
 
 
 @torch.no_grad()
 def _score_batch(model: PreTrainedModel, batch: list[_Scoring]) -> None:
     """Logprob of each prompt token given the ones before it (NaN for the first), and the
     top-k next tokens at each position where k > 0, per request."""
-    results: list[_Scored | BaseException]
+    results: list[Scored | BaseException]
     try:
         width = max(len(ids) for ids, _, _ in batch)
         device = next(model.parameters()).device
@@ -262,11 +337,11 @@ def _score_batch(model: PreTrainedModel, batch: list[_Scoring]) -> None:
             loop.call_soon_threadsafe(_resolve, future, result)
 
 
-def _resolve(future: asyncio.Future[_Scored], result: _Scored) -> None:
+def _resolve(future: asyncio.Future[Scored], result: Scored) -> None:
     if not future.done():
         future.set_result(result)
 
 
-def _fail(future: asyncio.Future[_Scored], error: BaseException) -> None:
+def _fail(future: asyncio.Future[Scored], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)

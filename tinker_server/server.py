@@ -22,20 +22,21 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tinker_server.faults import FaultInjector, Faults
 from tinker_server.futures import FutureStore, Outcome
 from tinker_server.rest import FILES_PREFIX, add_rest_routes
-from tinker_server.service import LocalTinker
+from tinker_server.service import ENGINES, LocalTinker
 from tinker_server.training import UserError
 from tinker_server.wire import WireError, decode_forward_backward
+from torchkit.vllm_engine import VllmSettings
 from unified.commands import run_command
 from unified.errors import UsageError
 from unified.model_provider import resolve_model_spec
@@ -44,7 +45,12 @@ __all__ = ["DEFAULT_STORE", "LocalServer", "create_app", "main"]
 
 DEFAULT_STORE = Path(".cache/tinker-store")
 
+START_TIMEOUT_S = {"builtin": 120.0, "vllm": 900.0}
+"""How long `tinker-serve` waits for its model and engine to load: vLLM's start took 20-60 s
+alone on 2 cores, and more than 120 s on a busy host (then the server gave up mid-start)."""
+
 log = logging.getLogger(__name__)
+_Settings = TypeVar("_Settings", bound=BaseModel)
 
 
 def create_app(
@@ -54,24 +60,31 @@ def create_app(
     faults: Faults | None = None,
     ready: threading.Event | None = None,
 ) -> FastAPI:
-    """The ASGI app serving `service`; `ready` is set once the model is loaded."""
+    """The ASGI app serving `service`; `ready` is set once the model is loaded (or failed to:
+    then `app.state.load_error` holds why, and the waiter stops the server)."""
     futures = FutureStore()
     injector = FaultInjector(faults or Faults())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with asyncio.TaskGroup() as tasks:
-            futures.open(tasks)
-            try:
-                await asyncio.to_thread(service.load)
-            except Exception as e:
-                app.state.load_error = e
-                raise
-            finally:
-                if ready is not None:
-                    ready.set()
-            yield
-            futures.cancel_all()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                futures.open(tasks)
+                try:
+                    await asyncio.to_thread(service.load)
+                except Exception as e:
+                    app.state.load_error = e
+                    if ready is None:
+                        raise
+                    # Whoever waits on `ready` reports it in one line and stops the server
+                    # (`LocalServer.start`); raised here, uvicorn would print its traceback.
+                finally:
+                    if ready is not None:
+                        ready.set()
+                yield
+                futures.cancel_all()
+        finally:  # every request has ended: the sampling engine can go
+            await asyncio.to_thread(service.close)
 
     app = FastAPI(title="unified tinker-serve", lifespan=lifespan)
     app.state.injector = injector
@@ -284,9 +297,17 @@ class LocalServer:
         max_batch: int = 64,
         keep_samplers: int = 8,
         aliases: Sequence[str] = (),
+        engine: str = "builtin",
+        vllm: VllmSettings | None = None,
     ) -> None:
         self.service = LocalTinker(
-            model, store, max_batch=max_batch, keep_samplers=keep_samplers, aliases=aliases
+            model,
+            store,
+            max_batch=max_batch,
+            keep_samplers=keep_samplers,
+            aliases=aliases,
+            engine=engine,
+            vllm=vllm,
         )
         self._ready = threading.Event()
         self.app = create_app(self.service, api_key=api_key, faults=faults, ready=self._ready)
@@ -327,10 +348,16 @@ class LocalServer:
         """Start serving and wait (at most `timeout_s`) for the model to load; the base URL."""
         self._thread.start()
         if not self._ready.wait(timeout_s):
+            # The load cannot be interrupted: once it ends, the server stops and frees what it
+            # started (a vLLM engine left running would keep this process from exiting).
+            self._server.should_exit = True
             raise TimeoutError(f"the local Tinker server did not load within {timeout_s:g} s")
         error = self._error or self.app.state.load_error
         if error is not None or not self._thread.is_alive():
-            raise UsageError(f"the local Tinker server failed to start: {error!r}")
+            self.stop()
+            # Ours (a bad --vllm setting, a missing model) read as they are.
+            detail = str(error) if isinstance(error, UsageError) else repr(error)
+            raise UsageError(f"the local Tinker server failed to start: {detail}")
         return self.base_url
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -364,14 +391,15 @@ def _at_least_one(text: str) -> int:
     return value
 
 
-def _parse_faults(text: str) -> Faults:
+def _parse_json(flag: str, text: str, schema: type[_Settings]) -> _Settings:
+    """The `flag`'s JSON value as `schema`, or a one-line `UsageError` naming the flag."""
     try:
-        return Faults.model_validate(json.loads(text))
+        return schema.model_validate(json.loads(text))
     except json.JSONDecodeError as e:
-        raise UsageError(f"--faults is not JSON ({e.msg} at char {e.pos})") from None
+        raise UsageError(f"{flag} is not JSON ({e.msg} at char {e.pos})") from None
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
-        raise UsageError(f"--faults: {problems}") from None
+        raise UsageError(f"{flag}: {problems}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -396,13 +424,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--api-key", default=None, help="require this X-API-Key (tml-...)")
     parser.add_argument("--store", type=Path, default=DEFAULT_STORE, help="tinker:// paths")
     parser.add_argument(
-        "--max-batch", type=_at_least_one, default=64, help="most requests per batch"
+        "--max-batch",
+        type=_at_least_one,
+        default=64,
+        help="most requests per batch (built-in engine; vLLM: max_num_seqs in --vllm)",
     )
     parser.add_argument(
         "--keep-samplers",
         type=_at_least_one,
         default=8,
         help="weight snapshots kept per training model",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="builtin",
+        help="what samples: the built-in sampler or vLLM (needs the vllm package)",
+    )
+    parser.add_argument(
+        "--vllm",
+        default=None,
+        metavar="JSON",
+        help='the vLLM engine\'s settings (as local.vllm), e.g. {"kv_cache_gb": 0.5}',
     )
     parser.add_argument("--faults", default=None, help='JSON, e.g. {"http_500_rate": 0.1}')
     parser.add_argument(
@@ -411,9 +454,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="stop when stdin closes (a parent process that dies takes the server with it)",
     )
     args = parser.parse_args(argv)
+    # vLLM logs to stdout by default; stdout is where the URL line goes (`ServerProcess` reads
+    # it first, and nobody reads the pipe after it).
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
     def serve() -> int:
-        faults = _parse_faults(args.faults) if args.faults else None
+        faults = _parse_json("--faults", args.faults, Faults) if args.faults else None
+        if args.vllm is not None and args.engine != "vllm":
+            raise UsageError("--vllm sets the vLLM engine: add --engine vllm")
+        vllm = _parse_json("--vllm", args.vllm, VllmSettings) if args.vllm else None
         server = LocalServer(
             resolve_model_spec(args.model),
             host=args.host,
@@ -423,9 +472,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             faults=faults,
             max_batch=args.max_batch,
             keep_samplers=args.keep_samplers,
+            engine=args.engine,
+            vllm=vllm,
             aliases=[args.model, *args.alias],  # a provider's name, not only its directory
         )
-        url = server.start()
+        url = server.start(timeout_s=START_TIMEOUT_S[args.engine])
         if args.exit_with_stdin:
             threading.Thread(target=_stop_at_eof, args=(server,), daemon=True).start()
         auth = "X-API-Key required" if args.api_key else "any tml- key"

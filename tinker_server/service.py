@@ -2,10 +2,11 @@
 
 `LocalTinker` serves one base model (built-in or a local directory) through the torch kit
 (`torchkit/`): training models are LoRA copies of it (`training.py`), sampling sessions are weight
-snapshots behind batching samplers (`sampling.py`). Requests of one training model run one at a
-time in arrival order (the SDK sends them in order), each in a worker thread, so the event loop
-keeps answering polls. Saved state lives under `store/`: `tinker://<run>/<kind>/<name>` is the
-directory `store/<run>/<kind>/<name>/`, so a later server on the same store resumes from it.
+snapshots that the built-in sampler or vLLM samples (`sampling.py`, `vllm_sampling.py`).
+Requests of one training model run one at a time in arrival order (the SDK sends them in order),
+each in a worker thread, so the event loop keeps answering polls. Saved state lives under
+`store/`: `tinker://<run>/<kind>/<name>` is the directory `store/<run>/<kind>/<name>/`, so a
+later server on the same store resumes from it.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from typing import Any
 from tinker_server.catalog import Catalog
 from tinker_server.export import age_recipients, write_export
 from tinker_server.futures import Outcome
-from tinker_server.sampling import SamplerPool, untied_copy
+from tinker_server.sampling import BuiltinEngine, SamplerPool, SnapshotEngine, untied_copy
 from tinker_server.training import AdamSettings, LoraSpec, TrainingModel, UserError
+from tinker_server.vllm_sampling import VllmEngine
 from tinker_server.wire import (
     PROTOBUF,
     ForwardBackwardCall,
@@ -30,9 +32,12 @@ from tinker_server.wire import (
     encode_sample_response,
 )
 from torchkit.builtin import is_builtin, load_policy
+from torchkit.vllm_engine import VllmSettings
 
-__all__ = ["LocalTinker"]
+__all__ = ["ENGINES", "LocalTinker"]
 
+ENGINES = ("builtin", "vllm")
+"""What samples the sessions (`tinker-serve --engine`): the built-in sampler, or vLLM."""
 _KINDS = ("weights", "sampler_weights")
 _SAVE_TYPE = {"weights": "save_weights", "sampler_weights": "save_weights_for_sampler"}
 FINISHED_KEPT = 1024
@@ -67,7 +72,13 @@ class LocalTinker:
         max_batch: int = 64,
         keep_samplers: int = 8,
         aliases: Sequence[str] = (),
+        engine: str = "builtin",
+        vllm: VllmSettings | None = None,
     ) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        self.engine = engine
+        self.vllm = vllm or VllmSettings()
         directory = not is_builtin(model) and Path(model).is_dir()
         self.model_spec = str(Path(model).resolve()) if directory else model
         """The served model's canonical name: `builtin:<size>` or an absolute directory."""
@@ -86,18 +97,25 @@ class LocalTinker:
     def load(self) -> None:
         """Load the base model and write its tokenizer where clients can read it (blocking)."""
         self.base, self.tokenizer = load_policy(self.model_spec)
-        self.pool = SamplerPool(
-            untied_copy(self.base),
-            self.tokenizer,
-            max_batch=self.max_batch,
-            keep=self.keep_samplers,
-        )
+        # Untied: merged unembedding adapters change the output layer only.
+        self.template = untied_copy(self.base)
+        engine: SnapshotEngine
+        if self.engine == "vllm":
+            engine = VllmEngine.start(self.template, self.tokenizer, self.vllm)
+        else:
+            engine = BuiltinEngine(self.template, self.tokenizer, max_batch=self.max_batch)
+        self.pool = SamplerPool(engine, self.tokenizer, keep=self.keep_samplers)
         if is_builtin(self.model_spec):
             self.tokenizer_dir = self.store / "tokenizers" / self.model_spec.replace(":", "-")
             self.tokenizer_dir.mkdir(parents=True, exist_ok=True)
             self.tokenizer.save_pretrained(self.tokenizer_dir)
         else:
             self.tokenizer_dir = Path(self.model_spec).resolve()
+
+    def close(self) -> None:
+        """Free the sampling engine (vLLM's processes and files); blocking."""
+        if hasattr(self, "pool"):
+            self.pool.close()
 
     @property
     def tokenizer_id(self) -> str:
@@ -267,7 +285,7 @@ class LocalTinker:
         async with model.lock:
             weights = await asyncio.to_thread(model.training.merged_weights)
         await asyncio.to_thread(
-            write_export, self.pool.template, weights, self.tokenizer, directory, recipients
+            write_export, self.template, weights, self.tokenizer, directory, recipients
         )
         self.catalog.record_checkpoint(directory, ttl_seconds=request.get("ttl_seconds"))
         size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())

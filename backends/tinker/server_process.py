@@ -9,10 +9,14 @@ has loaded the model; it stops when its stdin closes, so a trainer that dies tak
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
+import signal
 import sys
 from pathlib import Path
 
+from torchkit.vllm_engine import VllmSettings
 from unified.errors import UsageError
 
 __all__ = ["ServerProcess"]
@@ -29,7 +33,15 @@ _URL = re.compile(rb" at (http://\S+) ")
 class ServerProcess:
     """A `unified tinker-serve` child: `await start()` gives its URL, `await stop()` ends it."""
 
-    def __init__(self, model: str, *, store: Path, max_batch: int = 64) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        store: Path,
+        max_batch: int = 64,
+        engine: str = "builtin",
+        vllm: VllmSettings | None = None,
+    ) -> None:
         self.args = [
             "-c",
             _MAIN,
@@ -42,7 +54,11 @@ class ServerProcess:
             "--max-batch",
             str(max_batch),
             "--exit-with-stdin",
+            "--engine",
+            engine,
         ]
+        if engine == "vllm" and vllm is not None:
+            self.args += ["--vllm", vllm.model_dump_json()]
         self._process: asyncio.subprocess.Process | None = None
 
     async def start(self, timeout_s: float) -> str:
@@ -73,7 +89,8 @@ class ServerProcess:
         return found.group(1).decode()
 
     async def stop(self, timeout_s: float = 30.0) -> None:
-        """Close the child's stdin (it stops serving) and wait for it; kill it if it hangs."""
+        """Close the child's stdin (it stops serving) and wait for it; kill it and whatever it
+        started if it hangs."""
         process, self._process = self._process, None
         if process is None:
             return
@@ -85,5 +102,8 @@ class ServerProcess:
                     process.stdin.close()
                 await process.communicate()
         except TimeoutError:
-            process.kill()
-            await process.communicate()
+            # Its whole process group (its own session): a vLLM engine process the child left
+            # behind would hold stdout open, and reading it to its end would never return.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()

@@ -249,6 +249,9 @@ class VllmSampler:
         """
         directory = Path(model_dir)
         checked = check_settings(settings or {}, directory, key=key)
+        # vLLM's INFO lines (five per weight sync) would drown the trainer's console; its
+        # engine processes read this when they start. VLLM_LOGGING_LEVEL=INFO shows them.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM

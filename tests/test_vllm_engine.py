@@ -325,7 +325,7 @@ def local_vllm_config(tmp_path: Path, **async_: object) -> TrainerConfig:
 
 
 async def test_the_local_backend_trains_and_samples_on_vllm_with_partial_rollouts(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend = LocalBackend()
     config = local_vllm_config(tmp_path, partial_rollout=True)
@@ -370,3 +370,7 @@ async def test_the_local_backend_trains_and_samples_on_vllm_with_partial_rollout
         assert again.completion_ids == after.completion_ids and again.policy_version == 1
     finally:
         await backend.shutdown()
+    # At interpreter exit `AsyncLLM.__del__` runs after vLLM's module globals are gone: a shut
+    # down engine must not call into them again (a TypeError printed at the end of every run).
+    monkeypatch.setattr("vllm.v1.engine.async_llm.shutdown_prometheus", None)
+    sampler.engine.__del__()

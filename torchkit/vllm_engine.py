@@ -550,7 +550,14 @@ class VllmSampler:
     def shutdown(self) -> None:
         """Stop the engine and its process, and remove the weights directory."""
         self.engine.shutdown()
+        # `AsyncLLM.__del__` calls `self.shutdown()` again, at interpreter exit once module
+        # globals are gone, and prints a TypeError: the instance's own no-op answers it.
+        self.engine.shutdown = _shut_down
         shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+
+def _shut_down(timeout: float | None = None) -> None:
+    """What a shut-down engine's `shutdown` does: nothing more."""
 
 
 def _scratch() -> str | None:

@@ -24,6 +24,7 @@ __all__ = [
     "SAMPLER_FILE",
     "contiguous",
     "load_sampler",
+    "load_sampler_weights",
     "read_meta",
     "restore_sampler",
     "save_sampler",
@@ -58,12 +59,20 @@ def load_sampler(sampler: BatchingSampler, directory: Path, meta: dict[str, Any]
     sampler.load_weights(load_file(directory / SAMPLER_FILE), meta["sampler_version"])
 
 
+async def load_sampler_weights(
+    sampler: BatchingSampler | VllmSampler, weights: dict[str, torch.Tensor], version: int
+) -> None:
+    """Make `weights` the sampler's policy `version`, from the event loop, on either engine:
+    the built-in sampler copies them in a thread, vLLM's load is a coroutine."""
+    if isinstance(sampler, VllmSampler):
+        await sampler.load_weights(weights, version)
+    else:
+        await asyncio.to_thread(sampler.load_weights, weights, version)
+
+
 async def restore_sampler(
     sampler: BatchingSampler | VllmSampler, directory: Path, meta: dict[str, Any]
 ) -> None:
-    """`load_sampler` for either engine, from the event loop (vLLM's load is a coroutine)."""
-    if isinstance(sampler, BatchingSampler):
-        await asyncio.to_thread(load_sampler, sampler, directory, meta)
-        return
+    """`load_sampler` for either engine, from the event loop."""
     weights = await asyncio.to_thread(load_file, directory / SAMPLER_FILE)
-    await sampler.load_weights(weights, meta["sampler_version"])
+    await load_sampler_weights(sampler, weights, meta["sampler_version"])

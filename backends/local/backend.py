@@ -43,6 +43,7 @@ from torchkit.scoring import TokenScores, score_tokens
 from torchkit.snapshots import (
     contiguous,
     load_sampler,
+    load_sampler_weights,
     read_meta,
     restore_sampler,
     save_sampler,
@@ -276,10 +277,7 @@ class LocalBackend(BackendProtocol):
     async def on_policy_updated(self, version: int) -> None:
         # load_state_dict copies, and no training call runs concurrently with a sync.
         # The sampler keeps a second copy: running batches finish on the old weights.
-        if isinstance(self.sampler, VllmSampler):
-            await self.sampler.load_weights(self.model.state_dict(), version)
-        else:
-            await asyncio.to_thread(self.sampler.load_weights, self.model.state_dict(), version)
+        await load_sampler_weights(self.sampler, self.model.state_dict(), version)
 
     # -- training -----------------------------------------------------------------------------
 

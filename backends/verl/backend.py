@@ -43,7 +43,7 @@ from backends.verl.weights import tied_aliases
 from backends.verl.worker_group import PolicyGroup
 from torchkit.builtin import is_builtin, load_policy, save_policy
 from torchkit.sampler import BatchingSampler
-from torchkit.snapshots import read_meta, restore_sampler, save_sampler
+from torchkit.snapshots import load_sampler_weights, read_meta, restore_sampler, save_sampler
 from torchkit.vllm_engine import VllmSampler
 from unified.config import TrainerConfig
 from unified.errors import BackendError, UsageError
@@ -265,10 +265,7 @@ class VerlBackend(BackendProtocol):
         )
         # A request running now finishes on the weights it began with (the built-in sampler's
         # spare copy; vLLM's pause mode `wait`).
-        if isinstance(self.sampler, VllmSampler):
-            await self.sampler.load_weights(weights, version)
-        else:
-            await asyncio.to_thread(self.sampler.load_weights, weights, version)
+        await load_sampler_weights(self.sampler, weights, version)
 
     # -- checkpoints --------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ import tinker
 
 from tinker_server.server import LocalServer
 from tinker_server.vllm_sampling import VllmEngine
-from torchkit.vllm_engine import VllmSettings
+from torchkit.vllm_settings import VllmSettings
 
 PROMPT = [5, 6, 7, 8, 9]
 DEADLINE_S = 300

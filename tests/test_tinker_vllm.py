@@ -32,7 +32,7 @@ from tests.test_tinker_server import (
 )
 from tinker_server.server import LocalServer
 from torchkit.builtin import load_policy
-from torchkit.vllm_engine import VllmSettings
+from torchkit.vllm_settings import VllmSettings
 
 # fp32 on both sides; vLLM's logprobs and the trainer's agree to ~1e-6 on the tiny model.
 TOLERANCE = 1e-4

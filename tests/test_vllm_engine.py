@@ -21,7 +21,8 @@ from backends.local.backend import LocalBackend
 from torchkit.builtin import build_model, load_policy, save_policy
 from torchkit.sampler import BatchingSampler
 from torchkit.scoring import score_tokens
-from torchkit.vllm_engine import VllmSampler, VllmSettings, check_settings
+from torchkit.vllm_engine import VllmSampler
+from torchkit.vllm_settings import VllmSettings, check_settings
 from unified.config import TrainerConfig, load_config
 from unified.errors import ConfigError
 from unified.rollout import SamplingEngine
@@ -299,9 +300,10 @@ async def test_a_misconfigured_engine_is_one_clear_line(
         "memory": ({"kv_cache_gb": None}, "set exactly one of kv_cache_gb and memory_fraction"),
         "unknown": ({"kv_cache": 1}, "'vllm.kv_cache'"),
         "type": ({"tensor_parallel_size": 0}, "'vllm.tensor_parallel_size'"),
+        "cores": ({"cpu_reserved_cores": 4096}, "leaves none of the"),
     }
     if torch.cuda.device_count() > 0:
-        del cases["dtype"], cases["kv_cache_gb"]
+        del cases["dtype"], cases["kv_cache_gb"], cases["cores"]
     for name, (raw, expected) in cases.items():
         with pytest.raises(ConfigError) as error:
             check_settings(raw, directory)

@@ -36,7 +36,7 @@ from tinker_server.rest import FILES_PREFIX, add_rest_routes
 from tinker_server.service import ENGINES, LocalTinker
 from tinker_server.training import UserError
 from tinker_server.wire import WireError, decode_forward_backward
-from torchkit.vllm_engine import VllmSettings
+from torchkit.vllm_settings import VllmSettings
 from unified.commands import run_command
 from unified.errors import UsageError
 from unified.model_provider import resolve_model_spec

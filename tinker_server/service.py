@@ -32,7 +32,7 @@ from tinker_server.wire import (
     encode_sample_response,
 )
 from torchkit.builtin import is_builtin, load_policy
-from torchkit.vllm_engine import VllmSettings
+from torchkit.vllm_settings import VllmSettings
 
 __all__ = ["ENGINES", "LocalTinker"]
 

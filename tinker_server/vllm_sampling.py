@@ -34,7 +34,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tinker_server.sampling import MASK_LOGPROB, Scored, SnapshotSampler, TopK
 from torchkit.builtin import save_policy
-from torchkit.vllm_engine import PromptLogprobs, VllmSampler, VllmSettings
+from torchkit.vllm_engine import PromptLogprobs, VllmSampler
+from torchkit.vllm_settings import VllmSettings
 from unified.errors import BackendError, first_cause
 from unified.types import ModelOutput, SamplingParams
 
@@ -68,7 +69,9 @@ class VllmEngine:
         workdir = Path(tempfile.mkdtemp(prefix="unified-tinker-vllm-"))
         try:
             save_policy(template, tokenizer, workdir / "base")
-            sampler = VllmSampler.start(workdir / "base", settings, tokenizer=tokenizer, key=key)
+            sampler = VllmSampler.start(
+                workdir / "base", settings, tokenizer=tokenizer, key=key, cleanup=[workdir]
+            )
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
             raise

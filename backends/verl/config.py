@@ -30,7 +30,7 @@ from backends.verl.algorithms import (
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
 )
-from torchkit.vllm_engine import VllmSettings
+from torchkit.vllm_settings import VllmSettings
 from unified.config import TrainerConfig, backend_section
 from unified.errors import CapabilityError, ConfigError
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 from collections.abc import Iterator
@@ -170,6 +171,17 @@ def test_an_error_future_is_a_clear_error_not_a_hang(tmp_path: Path) -> None:
         with pytest.raises(tinker.RequestFailedError, match="injected error future"):
             tc.optim_step(tinker.AdamParams()).result(DEADLINE_S)
         client.close("errored").result(DEADLINE_S)
+
+
+def test_a_result_not_ready_within_the_long_poll_is_polled_again_without_a_warning(
+    server: LocalServer, service: tinker.ServiceClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    server.app.state.futures.poll_s = 0.0  # every poll before the result ends in try_again
+    tc = training_client(service)
+    with caplog.at_level(logging.WARNING, logger="tinker"):
+        out = sample(tc.save_weights_and_get_sampling_client("polled").result(DEADLINE_S))
+    assert len(out.sequences) == 4
+    assert not [r for r in caplog.records if "try_again" in r.getMessage()]
 
 
 def test_a_wrong_key_is_refused(tmp_path: Path) -> None:

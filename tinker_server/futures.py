@@ -4,7 +4,9 @@ A request (`forward_backward`, `asample`, ...) is answered at once with a reques
 runs as a task in the server's task group and ends as a result (JSON or protobuf bytes) or an
 error future (`{"error", "category"}`), never as a dropped connection: an exception inside the
 work is caught and becomes an error future, because the SDK retries a broken connection forever.
-`retrieve` long-polls: it answers when the result is ready or after `poll_s` with `try_again`.
+`retrieve` long-polls: it answers when the result is ready or after `poll_s` with `try_again`
+(HTTP 408, as the service does: the SDK polls again at once; a `try_again` with HTTP 200 made it
+log a warning per poll, a flood under load).
 Results stay retrievable for `keep_s` after they complete (the SDK may poll again after giving
 up on a slow poll), then they are dropped.
 """

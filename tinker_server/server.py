@@ -88,6 +88,7 @@ def create_app(
 
     app = FastAPI(title="unified tinker-serve", lifespan=lifespan)
     app.state.injector = injector
+    app.state.futures = futures  # tests shorten its long poll
     app.state.load_error = None
     app.add_middleware(_Guard, api_key=api_key, injector=injector)
 
@@ -234,9 +235,9 @@ def create_app(
             outcome = await futures.retrieve(request_id)
         except KeyError:
             return JSONResponse({"detail": f"future {request_id!r} not found"}, 404)
-        if outcome is None:
+        if outcome is None:  # 408, as the service: the SDK polls again without a warning
             return JSONResponse(
-                {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+                {"type": "try_again", "request_id": request_id, "queue_state": "active"}, 408
             )
         if outcome.error is not None:
             return JSONResponse({"error": outcome.error, "category": outcome.category})

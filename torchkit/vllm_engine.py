@@ -16,9 +16,12 @@ every token of a request comes from the weights it started on. With `partial_rol
 waits for none: vLLM's pause mode `abort` cuts every running request at its last token, and each
 `sample` call continues from its prompt and the tokens it has, as a new vLLM request on the new
 weights (prefilled again, so the KV cache is the new weights'), the way the built-in sampler
-continues a cut request. The invariant: every token's logprob and its entry in `token_versions`
-are those of the weights that sampled it (a cut request's tokens all came out of the engine
-before the pause returned, hence before the reload).
+continues a cut request. On GPUs (`weight_transfer: ipc | nccl`) vLLM's own weight-transfer
+engines carry the weights instead of the file (`torchkit/vllm_transfer.py`), between the same
+pause and resume; the file is still written, as the record checkpoints read. The invariant:
+every token's logprob and its entry in `token_versions` are those of the weights that sampled
+it (a cut request's tokens all came out of the engine before the pause returned, hence before
+the reload).
 
 Logprobs are vLLM's `processed_logprobs`: under the request's temperature, as the built-in
 sampler's. With top-p < 1 vLLM renormalises them over the nucleus, the built-in sampler does not.
@@ -56,6 +59,7 @@ from torchkit.vllm_settings import (
     engine_environment,
     one_line,
 )
+from torchkit.vllm_transfer import WeightTransfer
 from torchkit.vllm_weights import Layout, SharedWeights
 from torchkit.vllm_worker import WorkerExtension, guard_environment
 from unified.errors import BackendError, ConfigError, UsageError, first_cause
@@ -134,6 +138,7 @@ class VllmSampler:
         self._submitted = asyncio.Event()
         self._submitted.set()
         self._loading = asyncio.Lock()
+        self._transfer: WeightTransfer | None = None  # nccl / ipc: set up at the first sync
         self._weights_dir = weights_dir  # this sampler's: removed at shutdown
         self._shared = SharedWeights(
             self._weights_dir / "model.safetensors", getattr(torch, settings.dtype)
@@ -376,6 +381,8 @@ class VllmSampler:
         `abort`) and continue on the new ones.
         """
         async with self._loading:
+            if self.settings.weight_transfer != "shared_memory" and self._transfer is None:
+                self._transfer = await WeightTransfer.open(self.engine, self.settings)
             self._open.clear()
             try:
                 # vLLM reads the file only after the pause: it is written while the running
@@ -391,9 +398,13 @@ class VllmSampler:
                     except BaseExceptionGroup as errors:
                         raise first_cause(errors) from None
                     layout = writing.result()
-                await self.engine.collective_rpc(
-                    "load_shared_weights", kwargs={"path": str(self._shared.path), "layout": layout}
-                )
+                if self._transfer is not None:  # the file is only the record (`weights`)
+                    await self._transfer.send(self._complete(state_dict))
+                else:
+                    await self.engine.collective_rpc(
+                        "load_shared_weights",
+                        kwargs={"path": str(self._shared.path), "layout": layout},
+                    )
                 self._loaded = self._shared.path
                 self.version = version
                 await self.engine.resume_generation()
@@ -421,12 +432,15 @@ class VllmSampler:
             ) from None
         await self.engine.pause_generation(mode="wait", clear_cache=True)
 
-    def _write(self, state_dict: dict[str, torch.Tensor]) -> Layout:
+    def _complete(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Every name, tied ones included: vLLM's in-place reload leaves a tied lm_head on the
         # old weights unless it is given one.
         if self._tied and "lm_head.weight" not in state_dict:
             state_dict = {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
-        return self._shared.write(state_dict)
+        return state_dict
+
+    def _write(self, state_dict: dict[str, torch.Tensor]) -> Layout:
+        return self._shared.write(self._complete(state_dict))
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The weights sampling uses (of `version`), as a state dict on the CPU (for
@@ -444,6 +458,8 @@ class VllmSampler:
 
     def shutdown(self) -> None:
         """Stop the engine and its process, and remove the weights directory."""
+        if self._transfer is not None:
+            self._transfer.close()
         self.engine.shutdown()
         # `AsyncLLM.__del__` calls `self.shutdown()` again, at interpreter exit once module
         # globals are gone, and prints a TypeError: the instance's own no-op answers it.

@@ -20,6 +20,7 @@ __all__ = [
     "VllmSettings",
     "check_settings",
     "engine_arguments",
+    "engine_devices",
     "engine_environment",
     "model_positions",
     "one_line",
@@ -71,6 +72,11 @@ class VllmSettings(BaseModel):
         "VLLM_CPU_NUM_OF_RESERVED_CPU); null: none on a machine of at most 4 cores, else "
         "vLLM's default (one, for its scheduler). On 2 cores, one left idle cost a third of "
         "the engine's speed (docs/engines.md).",
+    )
+    weight_transfer: Literal["shared_memory", "nccl", "ipc"] = Field(
+        "shared_memory",
+        description="How weights reach the engine: shared_memory (CPU, in-place reload), ipc "
+        "(CUDA IPC, trainer and engine on one GPU), nccl (NCCL, the engine on other GPUs).",
     )
 
     @model_validator(mode="after")
@@ -149,7 +155,42 @@ def check_settings(
             f"config key '{key}.cpu_reserved_cores': {settings.cpu_reserved_cores} leaves none "
             f"of the {cores} cores here to the engine"
         )
+    _check_transfer(settings, gpus, key)
     return settings
+
+
+def _check_transfer(settings: VllmSettings, gpus: int, key: str) -> None:
+    """`weight_transfer` against the GPUs here: ipc shares the trainer's one GPU with a one-device
+    engine; nccl needs the trainer's GPU plus `tensor_parallel_size` others for the engine."""
+    mode, where = settings.weight_transfer, f"config key '{key}.weight_transfer'"
+    if mode == "shared_memory":
+        return
+    if gpus == 0:
+        raise ConfigError(f"{where}: {mode} needs CUDA; on CPU use shared_memory (the default)")
+    if mode == "ipc" and settings.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"{where}: ipc shares the trainer's one GPU, so tensor_parallel_size must be 1 "
+            f"(got {settings.tensor_parallel_size}); use nccl to span GPUs"
+        )
+    if mode == "nccl" and gpus < settings.tensor_parallel_size + 1:
+        raise ConfigError(
+            f"{where}: nccl needs {settings.tensor_parallel_size + 1} GPUs (the trainer's and "
+            f"{settings.tensor_parallel_size} for the engine), {gpus} here; with one GPU use ipc"
+        )
+
+
+def engine_devices(settings: VllmSettings) -> str | None:
+    """`CUDA_VISIBLE_DEVICES` for the engine's processes: the trainer's GPU (ipc), or the first
+    `tensor_parallel_size` GPUs after it (nccl); None: vLLM's own choice."""
+    if settings.weight_transfer == "shared_memory" or torch.cuda.device_count() == 0:
+        return None
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = listed.split(",") if listed else [str(i) for i in range(torch.cuda.device_count())]
+    trainer = torch.cuda.current_device()
+    if settings.weight_transfer == "ipc":
+        return visible[trainer]
+    others = [device for i, device in enumerate(visible) if i != trainer]
+    return ",".join(others[: settings.tensor_parallel_size])
 
 
 def reserved_cores(settings: VllmSettings) -> int | None:
@@ -165,7 +206,9 @@ def engine_environment(settings: VllmSettings) -> dict[str, str]:
     """Environment variables the engine's processes must start with (vLLM reads these settings
     only from its environment)."""
     reserved = reserved_cores(settings) if torch.cuda.device_count() == 0 else None
-    return {} if reserved is None else {_RESERVED_ENV: str(reserved)}
+    environment = {} if reserved is None else {_RESERVED_ENV: str(reserved)}
+    devices = engine_devices(settings)
+    return environment if devices is None else environment | {"CUDA_VISIBLE_DEVICES": devices}
 
 
 def engine_arguments(settings: VllmSettings, directory: Path) -> dict[str, Any]:
@@ -195,5 +238,11 @@ def engine_arguments(settings: VllmSettings, directory: Path) -> dict[str, Any]:
         logprobs_mode="processed_logprobs",
         max_logprobs=MAX_PROMPT_TOP_K,
         disable_log_stats=True,
+        # The engine side of vLLM's weight transfer (torchkit/vllm_transfer.py).
+        weight_transfer_config=(
+            None
+            if settings.weight_transfer == "shared_memory"
+            else {"backend": settings.weight_transfer}
+        ),
         **unchunked,
     )

@@ -179,7 +179,7 @@ def test_a_result_not_ready_within_the_long_poll_is_polled_again_without_a_warni
     server.app.state.futures.poll_s = 0.0  # every poll before the result ends in try_again
     tc = training_client(service)
     with caplog.at_level(logging.WARNING, logger="tinker"):
-        out = sample(tc.save_weights_and_get_sampling_client("polled").result(DEADLINE_S))
+        out = sample(tc.save_weights_and_get_sampling_client().result(DEADLINE_S))
     assert len(out.sequences) == 4
     assert not [r for r in caplog.records if "try_again" in r.getMessage()]
 

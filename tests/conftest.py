@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+
+from torchkit.builtin import load_policy, save_policy
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TINKER_TELEMETRY"] = "0"
@@ -49,3 +52,13 @@ def make_config(tmp_path: Path) -> ConfigFactory:
         return config
 
     return make
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Any, Path]:
+    """The built-in tiny model, its tokenizer, and both saved as a model directory (what an
+    engine such as vLLM loads); once per test module."""
+    model, tokenizer = load_policy("builtin:tiny")
+    directory = tmp_path_factory.mktemp("policy") / "tiny"
+    save_policy(model, tokenizer, directory)
+    return model, tokenizer, directory

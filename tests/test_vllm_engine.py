@@ -18,7 +18,7 @@ import pytest_asyncio
 import torch
 
 from backends.local.backend import LocalBackend
-from torchkit.builtin import build_model, load_policy, save_policy
+from torchkit.builtin import build_model
 from torchkit.sampler import BatchingSampler
 from torchkit.scoring import score_tokens
 from torchkit.vllm_engine import VllmSampler
@@ -40,14 +40,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 # fp32 on both sides: vLLM's logprobs and the trainer's recomputed ones agree to this.
 LOGPROB_TOLERANCE = 1e-5
 PROMPTS = ["3 5 7 -> 22", "12 4 -> 3", "1 2 3 -> 6", "9 9 -> 81"]
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, object, Path]:
-    model, tokenizer = load_policy("builtin:tiny")
-    directory = tmp_path_factory.mktemp("vllm") / "tiny"
-    save_policy(model, tokenizer, directory)
-    return model, tokenizer, directory
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

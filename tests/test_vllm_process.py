@@ -18,7 +18,6 @@ import psutil
 import torch
 
 from torchkit import vllm_settings
-from torchkit.builtin import load_policy, save_policy
 from torchkit.vllm_settings import VllmSettings, engine_environment
 
 RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"
@@ -65,14 +64,14 @@ def started(process: subprocess.Popen[str], deadline_s: float) -> str:
     raise AssertionError(f"the engine did not start within {deadline_s:g} s")
 
 
-def test_a_killed_trainer_leaves_no_engine_process_and_no_weights_file(tmp_path: Path) -> None:
-    model, tokenizer = load_policy("builtin:tiny")
-    save_policy(model, tokenizer, tmp_path / "tiny")
+def test_a_killed_trainer_leaves_no_engine_process_and_no_weights_file(
+    tmp_path: Path, policy: tuple[torch.nn.Module, object, Path]
+) -> None:
     script = tmp_path / "trainer.py"
     script.write_text(SCRIPT)
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     trainer = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path / "tiny")],
+        [sys.executable, str(script), str(policy[2])],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

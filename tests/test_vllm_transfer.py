@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from torchkit.builtin import build_model, load_policy, save_policy
+from torchkit.builtin import build_model
 from torchkit.vllm_settings import VllmSettings, check_settings, engine_arguments, engine_devices
 from unified.errors import BackendError, ConfigError
 
@@ -24,14 +24,6 @@ from unified.errors import BackendError, ConfigError
 # measured: no machine here runs the CUDA vllm wheel (docs/engines.md, GPU weight transfer).
 GPU_LOGPROB_TOLERANCE = 1e-3
 PROMPT = "3 5 7 -> 22"
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Any, Path]:
-    model, tokenizer = load_policy("builtin:tiny")
-    directory = tmp_path_factory.mktemp("transfer") / "tiny"
-    save_policy(model, tokenizer, directory)
-    return model, tokenizer, directory
 
 
 def gpus(monkeypatch: pytest.MonkeyPatch, count: int, current: int = 0) -> None:

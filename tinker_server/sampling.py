@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from tinker_server.training import UserError
 from tinker_server.wire import SampledTokens
 from torchkit.sampler import BatchingSampler
-from unified.errors import UsageError
+from unified.errors import UsageError, first_cause
 from unified.types import ModelOutput, SamplingParams
 
 __all__ = [
@@ -253,11 +253,22 @@ class SamplerPool:
 
         scored = topk = None
         try:
-            outputs = await sampler.sample(prompt_ids, [nth(i) for i in range(num_samples)])
-            if prompt_logprobs or topk_prompt:
-                scored, topk = await sampler.score(prompt_ids, topk_prompt)
-        except UsageError as e:  # the engine's checks: prompt too long or empty, top-k too large
-            raise UserError(str(e)) from e
+            # Together: on one engine both join the same turn of this snapshot, and a refused
+            # top-k ends the request before its samples are generated.
+            async with asyncio.TaskGroup() as group:
+                sampling = group.create_task(
+                    sampler.sample(prompt_ids, [nth(i) for i in range(num_samples)])
+                )
+                if prompt_logprobs or topk_prompt:
+                    scoring = group.create_task(sampler.score(prompt_ids, topk_prompt))
+        except BaseExceptionGroup as errors:
+            cause = first_cause(errors)
+            if isinstance(cause, UsageError):  # the engine's checks: prompt, top-k too large
+                raise UserError(str(cause)) from cause
+            raise cause from None
+        outputs = sampling.result()
+        if prompt_logprobs or topk_prompt:
+            scored, topk = scoring.result()
         sequences = [
             SampledTokens(
                 tokens=o.completion_ids,

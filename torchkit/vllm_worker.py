@@ -43,7 +43,7 @@ def guard_environment(scratch: list[str]) -> dict[str, str]:
 def _parent(pid: int) -> int | None:
     """`pid`'s parent, or None once `pid` is gone (reads /proc: no dependency)."""
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
             # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):

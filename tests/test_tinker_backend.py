@@ -24,6 +24,7 @@ from unified.config import load_config
 from unified.errors import BackendError, UsageError
 from unified.evaluation import run_eval
 from unified.rollout import SamplingEngine
+from unified.sequences import sequences_of
 from unified.testing import digits_tasks
 from unified.types import Episode, ModelOutput, Step, Trajectory, TrajectoryGroup
 
@@ -266,6 +267,31 @@ def test_the_folded_entropy_bonus_keeps_the_policy_more_random(
     # Step 1 samples the same policy (batching moves logprobs by float rounding only).
     assert len(entropy[0.0]) == 4 and entropy[0.0][0] == pytest.approx(entropy[0.5][0], abs=0.05)
     assert entropy[0.5][-1] > entropy[0.0][-1] + 0.05, f"the bonus did not raise entropy: {entropy}"
+
+
+def test_the_adaptive_entropy_coefficient_is_the_one_folded_into_the_advantages(
+    server: LocalServer, tinker_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folded: list[float | None] = []
+
+    def recording(*args: Any, **kw: Any) -> Any:
+        folded.append(kw.get("entropy_fold"))
+        return sequences_of(*args, **kw)
+
+    monkeypatch.setattr("backends.tinker.backend.sequences_of", recording)
+    trainer = {
+        "total_steps": 3,
+        "filter_groups": False,
+        "entropy_coef": 0.0,
+        "entropy_target": 10.0,  # above any entropy: the coefficient only rises
+        "entropy_coef_step": 0.25,
+    }
+    config = tinker_config(server.base_url, name="adaptive-entropy", trainer=trainer)
+    run_dir = UnifiedTrainer(config, train_tasks=digits_tasks()).fit().run_dir
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    logged = [r["train/entropy_coef"] for r in rows if "train/entropy_coef" in r]
+    assert logged == pytest.approx([0.0, 0.25, 0.5])
+    assert folded == pytest.approx(logged), "each step folds the coefficient it logs"
 
 
 def child_pids(pid: int) -> list[int]:

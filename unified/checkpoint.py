@@ -64,6 +64,8 @@ class TrainerState(BaseModel):
     """The groups' dispatch sequence numbers, in the order of `redispatch`: a group dispatched
     again keeps its id and rollout seeds, so a resumed sync run trains what an uninterrupted one
     trains; None for a requeued group's task, which gets a new number when dispatched."""
+    entropy_coef: float | None = None
+    """The adaptive entropy coefficient after `step` (`trainer.entropy_target`); None without."""
     ledger_lines: int | None = None
     """Ledger lines written before this checkpoint; resume drops the lines after them."""
 

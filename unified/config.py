@@ -132,7 +132,23 @@ class TrainerSection(_Section):
         "step. 'auto': 2.0 in async mode where the backend supports it, else off; null: off.",
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference.")
-    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Weight of the entropy bonus (the first step's, with a target)."
+    )
+    entropy_target: float | None = Field(
+        None,
+        gt=0,
+        description="Adaptive entropy control (Skywork-OR1): after each step the coefficient "
+        "moves by entropy_coef_step toward keeping train/entropy (nats per sampled token) at "
+        "this value: up while below, down while above, within [0, entropy_coef_max]. "
+        "Null: entropy_coef stays fixed.",
+    )
+    entropy_coef_step: float = Field(
+        0.005, gt=0, description="How far entropy_target moves the coefficient per step."
+    )
+    entropy_coef_max: float = Field(
+        0.5, gt=0, description="The largest coefficient entropy_target may reach."
+    )
     loss_agg: LossAggregation = Field(
         "token_mean",
         description="How token losses aggregate over a step: token_mean (every sampled token "
@@ -343,6 +359,12 @@ class TrainerConfig(_Section):
                 f"trainer.stall_timeout_s ({t.stall_timeout_s:g}) must exceed "
                 f"trainer.workflow_timeout_s ({t.workflow_timeout_s:g}): a wait on episodes that "
                 "legitimately take that long would fail as a stall; raise trainer.stall_timeout_s"
+            )
+        if t.entropy_target is not None and t.entropy_coef > t.entropy_coef_max:
+            raise ValueError(
+                f"trainer.entropy_coef ({t.entropy_coef:g}) starts the adaptive coefficient and "
+                f"must be <= trainer.entropy_coef_max ({t.entropy_coef_max:g}); lower it or raise "
+                "trainer.entropy_coef_max"
             )
         if t.loss == "cross_entropy" and isinstance(t.tis_cap, float):
             raise ValueError(

@@ -27,7 +27,7 @@ from unified.groups import GroupTicket, TrajectoryGroupBuffer
 from unified.metrics import MetricsAggregator
 from unified.recorder import StepRecorder
 from unified.rollout import WorkflowFn, WorkflowSlots, episode_seed
-from unified.schedule import learning_rate
+from unified.schedule import EntropyControl, learning_rate
 from unified.session import BackendSession
 from unified.stopping import GracefulStop, StepAbandoned, no_signal_message
 from unified.types import Task, TrajectoryGroup
@@ -72,6 +72,7 @@ class TrainingLoop:
         self._time_up = False
         self.stop = GracefulStop(settings.stop_grace_s)
         self._saved_step = 0  # the step of the newest checkpoint; step 0 needs none
+        self.entropy = EntropyControl(settings)
 
     @property
     def stop_signal(self) -> int | None:
@@ -93,6 +94,10 @@ class TrainingLoop:
             state = await RunDirectory.load_checkpoint(checkpoint, self.session.load_checkpoint)
             self.step = self._saved_step = state.step
             self.groups.restore_state(state, self.train_tasks)
+            if self.entropy.adaptive and state.entropy_coef is not None:
+                self.entropy.coef = state.entropy_coef
+        if self.entropy.adaptive:
+            self.backend.set_entropy_coef(self.entropy.coef)
         stopping = self.stop_signal is not None
         if self.step == 0 and settings.eval_before_train and self.eval_tasks and not stopping:
             await self.recorder.log(self.step, await self._evaluate())
@@ -217,6 +222,9 @@ class TrainingLoop:
         metrics = self.recorder.step_metrics(
             self.step, items, self.groups, trained_at, wait_s=wait_s, train_s=train_s, sync_s=sync_s
         )
+        if self.entropy.adaptive:  # the coefficient this step trained with, then the next one
+            metrics["train/entropy_coef"] = self.entropy.coef
+            self.backend.set_entropy_coef(self.entropy.update(metrics.get("train/entropy")))
         every = settings.eval_every
         if self.eval_tasks and every > 0 and (self.step % every == 0 or self.finished):
             metrics.update(await self._evaluate())
@@ -242,6 +250,8 @@ class TrainingLoop:
     async def _save(self) -> None:
         await self.recorder.drain(self.step)  # the metrics of every step the checkpoint holds
         state = self.groups.checkpoint_state(self.step, self.run_dir.ledger_lines)
+        if self.entropy.adaptive:
+            state.entropy_coef = self.entropy.coef
         await self.run_dir.save_checkpoint(state, self.session.save_checkpoint)
         self._saved_step = self.step
 

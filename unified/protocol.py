@@ -158,6 +158,11 @@ class BackendCapabilities(BaseModel):
     )
     kl_penalty: bool = Field(True, description="Honours trainer.kl_coef > 0.")
     entropy_bonus: bool = Field(True, description="Honours trainer.entropy_coef > 0.")
+    adaptive_entropy: bool = Field(
+        False,
+        description="Honours trainer.entropy_target: `set_entropy_coef` changes the bonus's "
+        "coefficient between steps.",
+    )
     lr_schedules: frozenset[str] = Field(
         frozenset({"constant", "linear", "cosine"}), description="Learning-rate schedules."
     )
@@ -212,6 +217,11 @@ class BackendProtocol(ABC):
 
     def set_learning_rate(self, lr: float) -> None:  # noqa: B027 - optional hook
         """Use `lr` for the next `optim_step`; the trainer calls it with the scheduled value."""
+
+    def set_entropy_coef(self, coef: float) -> None:  # noqa: B027 - optional hook
+        """Weigh the entropy bonus by `coef` from the next `forward_backward` on; the trainer
+        calls it before the first step and after each under `trainer.entropy_target`
+        (capability `adaptive_entropy`)."""
 
     def will_load_checkpoint(self) -> None:  # noqa: B027 - optional hook
         """Told before `setup` when `load_checkpoint` follows it (a resume, an evaluation of a
@@ -308,6 +318,12 @@ def check_capabilities(config: TrainerConfig, backend: BackendProtocol) -> None:
         raise refuse("trainer.kl_coef", trainer.kl_coef, "set trainer.kl_coef=0")
     if trainer.entropy_coef > 0 and not caps.entropy_bonus:
         raise refuse("trainer.entropy_coef", trainer.entropy_coef, "set trainer.entropy_coef=0")
+    if trainer.entropy_target is not None and not caps.adaptive_entropy:
+        raise refuse(
+            "trainer.entropy_target",
+            trainer.entropy_target,
+            "its entropy coefficient is fixed; set trainer.entropy_target=null",
+        )
     if caps.max_concurrency is not None and async_.max_concurrency > caps.max_concurrency:
         raise refuse(
             "async.max_concurrency", async_.max_concurrency, f"its limit is {caps.max_concurrency}"

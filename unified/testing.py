@@ -128,6 +128,7 @@ class BanditBackend(BackendProtocol):
     """Policy gradient on K logits; records every call."""
 
     name: ClassVar[str] = "bandit"
+    capabilities = BackendCapabilities(adaptive_entropy=True)
 
     def __init__(
         self,
@@ -148,6 +149,7 @@ class BanditBackend(BackendProtocol):
         self.sampler_version = 0
         self.grad = [0.0] * arms
         self.lr = 0.0
+        self.entropy_coef = 0.0
         self.requests: list[dict[str, Any]] = []
         self.events: list[tuple[Any, ...]] = []
         self.active_requests = 0
@@ -161,6 +163,7 @@ class BanditBackend(BackendProtocol):
         self.partial_rollout = config.async_.partial_rollout
         self.model = config.model
         self.lr = config.trainer.lr
+        self.entropy_coef = config.trainer.entropy_coef
 
     def token_sampler(self) -> BanditSampler:
         return BanditSampler(self)
@@ -179,10 +182,14 @@ class BanditBackend(BackendProtocol):
                         train_logprob = math.log(probs[answer])
                         losses.append(-advantage * train_logprob)
                         kls.append(step.output.logprobs[0] - train_logprob)
+        # The entropy bonus, once per sampled token: dH/dz_i = -p_i (log p_i + H).
+        entropy = -sum(p * math.log(p) for p in probs)
+        for i, p in enumerate(probs):
+            self.grad[i] -= self.entropy_coef * len(losses) * p * (math.log(p) + entropy)
         return {
             "train/loss": sum(losses) / max(1, len(losses)),
             "train/kl_sample_train": sum(kls) / max(1, len(kls)),
-            "train/entropy": -sum(p * math.log(p) for p in probs),
+            "train/entropy": entropy,
         }
 
     async def optim_step(self) -> dict[str, float]:
@@ -195,6 +202,10 @@ class BanditBackend(BackendProtocol):
 
     def set_learning_rate(self, lr: float) -> None:
         self.lr = lr
+
+    def set_entropy_coef(self, coef: float) -> None:
+        self.events.append(("set_entropy_coef", coef))
+        self.entropy_coef = coef
 
     async def on_policy_updated(self, version: int) -> None:
         self.events.append(

@@ -180,11 +180,13 @@ class LocalBackend(BackendProtocol):
         partial_rollout=True,
         truncated_is=True,
         loss_aggregations=frozenset(get_args(LossAggregation)),
+        adaptive_entropy=True,
     )
 
     def __init__(self) -> None:
         self.settings = LocalConfig()
         self.tis_cap: float | None = None  # resolved at setup
+        self.entropy_coef = 0.0  # trainer.entropy_coef at setup; set_entropy_coef moves it
         self._grad_norm_denominator = 0.0
         self._loss_finite = True
         self._training = threading.Lock()
@@ -243,6 +245,7 @@ class LocalBackend(BackendProtocol):
                 load_timeout_s=config.trainer.backend_timeout_s,
             )
         self.tis_cap = resolve_tis_cap(config, self.capabilities)
+        self.entropy_coef = config.trainer.entropy_coef
         self.reference = None
         if config.trainer.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -262,6 +265,9 @@ class LocalBackend(BackendProtocol):
     def set_learning_rate(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+
+    def set_entropy_coef(self, coef: float) -> None:
+        self.entropy_coef = coef
 
     async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         return await asyncio.to_thread(self._locked, self._forward_backward, groups)
@@ -384,8 +390,8 @@ class LocalBackend(BackendProtocol):
                 kl_T = kl_penalty(logp_T, ref.logp_T, clamp)
             loss_T = loss_T + t.kl_coef * kl_T
             totals["kl_reference"] += float(kl_T.detach().sum())
-        if t.entropy_coef > 0:
-            loss_T = loss_T - t.entropy_coef * entropy_T
+        if self.entropy_coef > 0:
+            loss_T = loss_T - self.entropy_coef * entropy_T
         weighted = (loss_T * weights_T.to(self.device)).sum()
         weighted.backward()  # type: ignore[no-untyped-call]
         totals["loss"] += float(weighted.detach())

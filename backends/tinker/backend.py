@@ -76,11 +76,13 @@ class TinkerBackend(BackendProtocol):
         partial_rollout=False,
         loss_aggregations=frozenset({"token_mean", "token_sum"}),
         scoring_temperature="one",
+        adaptive_entropy=True,
     )
 
     def __init__(self) -> None:
         self.settings = TinkerConfig()
         self.lr = 1e-4
+        self.entropy_coef = 0.0
         self._pending: list[_Pending] = []
         self._server: ServerProcess | None = None
         self._service: tinker.ServiceClient | None = None
@@ -96,6 +98,7 @@ class TinkerBackend(BackendProtocol):
         self.settings = settings = TinkerConfig.from_section(config.tinker)
         self.config = config
         self.lr = config.trainer.lr
+        self.entropy_coef = config.trainer.entropy_coef
         key = os.environ.get(settings.api_key_env) or None
         register(key)
         base_url = settings.base_url
@@ -317,6 +320,9 @@ class TinkerBackend(BackendProtocol):
     def set_learning_rate(self, lr: float) -> None:
         self.lr = lr
 
+    def set_entropy_coef(self, coef: float) -> None:
+        self.entropy_coef = coef
+
     async def forward_backward(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         loss = self.config.trainer.loss
         # Tinker's losses have no entropy term: the bonus folds into the advantages.
@@ -324,7 +330,7 @@ class TinkerBackend(BackendProtocol):
             groups,
             loss=loss,
             temperature=self.config.sampling.train.temperature,
-            entropy_fold=self.config.trainer.entropy_coef if loss != "cross_entropy" else None,
+            entropy_fold=self.entropy_coef if loss != "cross_entropy" else None,
         )
         if not sequences:
             return {}

@@ -138,9 +138,9 @@ class TrainerSection(_Section):
     entropy_target: float | None = Field(
         None,
         gt=0,
-        description="Adaptive entropy control (Skywork-OR1): after each step the coefficient "
-        "moves by entropy_coef_step toward keeping train/entropy (nats per sampled token) at "
-        "this value: up while below, down while above, within [0, entropy_coef_max]. "
+        description="Adaptive entropy control (modelled on Skywork-OR1): after each step the "
+        "coefficient moves by entropy_coef_step toward keeping train/entropy (nats per sampled "
+        "token) at this value: up while below, down while above, within [0, entropy_coef_max]. "
         "Null: entropy_coef stays fixed.",
     )
     entropy_coef_step: float = Field(

@@ -25,10 +25,11 @@ def learning_rate(settings: TrainerSection, step: int) -> float:
 class EntropyControl:
     """The entropy bonus's coefficient, kept by the loop and set on the backend before each step.
 
-    Fixed at `entropy_coef` without a target. With `entropy_target` (Skywork-OR1's adaptive
-    entropy control) it starts there and, after each step, moves `entropy_coef_step` up when the
-    step's entropy was below the target and down when above, within [0, `entropy_coef_max`]: a
-    fixed bonus that holds entropy on one run can let it collapse or run away on another.
+    Fixed at `entropy_coef` without a target. With `entropy_target` (modelled on Skywork-OR1's
+    adaptive entropy control) it starts there and, after each step, moves `entropy_coef_step` up
+    when the step's entropy was below the target and down when above, within
+    [0, `entropy_coef_max`]: a fixed bonus that holds entropy on one run can let it collapse or
+    run away on another.
     """
 
     def __init__(self, settings: TrainerSection) -> None:

@@ -38,13 +38,14 @@ SEEDED_LOGPROB_TOLERANCE = 1e-5
 PROMPTS = ["3 5 7 -> 22", "12 4 -> 3", "1 2 3 -> 6", "9 9 -> 81"]
 
 
-def local_config(**trainer: Any) -> TrainerConfig:
+def local_config(*, local: dict[str, Any] | None = None, **trainer: Any) -> TrainerConfig:
     return load_config(
         {
             "workflow": "examples.countdown.workflow:CountdownWorkflow",
             "model": "builtin:tiny",
             "trainer": {"lr": 1e-3, **trainer},
             "sampling": {"train": {"max_tokens": 8}},
+            "local": local or {},
         }
     )
 
@@ -214,8 +215,11 @@ async def test_two_batches_run_at_once_and_a_load_waits_only_for_batches_on_its_
     await backend.shutdown()
 
 
-async def test_checkpoint_round_trip_reproduces_the_next_step(tmp_path: Path) -> None:
-    first = await started()
+@pytest.mark.parametrize("local", [{}, {"lora_rank": 4}], ids=["full", "lora"])
+async def test_checkpoint_round_trip_reproduces_the_next_step(
+    tmp_path: Path, local: dict[str, Any]
+) -> None:
+    first = await started(local_config(local=local))
     outputs = [await sample(first, p, i) for i, p in enumerate(PROMPTS)]
     group = group_of(outputs, [1.0, -0.5, 0.5, -1.0])
     await first.forward_backward([group])
@@ -224,7 +228,7 @@ async def test_checkpoint_round_trip_reproduces_the_next_step(tmp_path: Path) ->
     await first.forward_backward([group])
     await first.optim_step()
 
-    second = await started()
+    second = await started(local_config(local=local))
     await second.load_checkpoint(tmp_path / "ckpt")
     await second.forward_backward([group])
     await second.optim_step()

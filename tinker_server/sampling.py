@@ -13,7 +13,6 @@ engine. Invariant: a session's samples and prompt logprobs come from its snapsho
 from __future__ import annotations
 
 import asyncio
-import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -37,20 +36,9 @@ __all__ = [
     "SnapshotSampler",
     "TopK",
     "sampling_params_from_wire",
-    "untied_copy",
 ]
 
 BASE = "base"
-
-
-def untied_copy(model: PreTrainedModel) -> PreTrainedModel:
-    """A copy whose output layer owns its weight, so merged unembedding adapters can load."""
-    template = copy.deepcopy(model).train(False)
-    lm_head: Any = template.get_output_embeddings()
-    if lm_head is not None:
-        lm_head.weight = torch.nn.Parameter(lm_head.weight.detach().clone())
-        template.config.tie_word_embeddings = False
-    return template
 
 
 def sampling_params_from_wire(

@@ -22,7 +22,7 @@ from typing import Any
 from tinker_server.catalog import Catalog
 from tinker_server.export import age_recipients, write_export
 from tinker_server.futures import Outcome
-from tinker_server.sampling import BuiltinEngine, SamplerPool, SnapshotEngine, untied_copy
+from tinker_server.sampling import BuiltinEngine, SamplerPool, SnapshotEngine
 from tinker_server.training import AdamSettings, LoraSpec, TrainingModel, UserError
 from tinker_server.vllm_sampling import VllmEngine
 from tinker_server.wire import (
@@ -32,6 +32,7 @@ from tinker_server.wire import (
     encode_sample_response,
 )
 from torchkit.builtin import is_builtin, load_policy
+from torchkit.lora import untied_copy
 from torchkit.vllm_settings import VllmSettings
 
 __all__ = ["ENGINES", "LocalTinker"]

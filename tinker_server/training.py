@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from tinker_server.lora import LoraTargets, attach_lora, merged_state_dict
 from tinker_server.wire import WireDatum
+from torchkit.lora import LoraTargets, attach_lora, merged_state_dict
 from torchkit.losses import per_token_loss
 from torchkit.optim import clipped_step
 from torchkit.scoring import score_tokens

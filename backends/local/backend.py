@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
 from torchkit.builtin import check_model_spec, load_policy, save_policy
+from torchkit.lora import LoraTargets, attach_lora, merged_copy, merged_state_dict, untied_copy
 from torchkit.losses import (
     LossAggregation,
     full_kl,
@@ -126,7 +127,16 @@ class LocalConfig(BaseModel):
         description="k3: the sampled token's estimator (verl's low_var_kl); full: exact KL over "
         "the vocabulary at each position, which also sees mass moved onto unsampled tokens.",
     )
-    seed: int = Field(0, description="Seed of built-in model initialisation.")
+    seed: int = Field(
+        0, description="Seed of built-in model initialisation (and of the LoRA adapters')."
+    )
+    lora_rank: int | None = Field(
+        None,
+        ge=1,
+        description="Train LoRA adapters of this rank (the Tinker server's: attention, MLP and "
+        "unembedding, alpha 32) instead of every weight; the sampler gets the merged weights, "
+        "exports are merged. Null: full fine-tuning.",
+    )
     engine: Literal["builtin", "vllm"] = Field(
         "builtin",
         description="What samples: the built-in sampler, or vLLM's engine in process "
@@ -220,6 +230,8 @@ class LocalBackend(BackendProtocol):
         model, self.tokenizer = load_policy(config.model, seed=s.seed)
         # eval(): no dropout while scoring, exactly like the sampler; gradients still flow.
         self.model = model.to(self.device).eval()
+        if s.lora_rank is not None:  # the unembedding's adapter must not change the embedding
+            self.model = untied_copy(self.model)
         self.sampler: BatchingSampler | VllmSampler
         if s.engine == "vllm":
             # vLLM loads a model directory: the policy as it starts, beside the run's files.
@@ -249,9 +261,11 @@ class LocalBackend(BackendProtocol):
         self.reference = None
         if config.trainer.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if s.lora_rank is not None:  # after the sampler's and the reference's copies
+            attach_lora(self.model, s.lora_rank, LoraTargets(), seed=s.seed)
         adam = config.trainer.optimizer
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=config.trainer.lr,
             betas=adam.betas,
             eps=adam.eps,
@@ -284,7 +298,14 @@ class LocalBackend(BackendProtocol):
     async def on_policy_updated(self, version: int) -> None:
         # load_state_dict copies, and no training call runs concurrently with a sync.
         # The sampler keeps a second copy: running batches finish on the old weights.
-        await load_sampler_weights(self.sampler, self.model.state_dict(), version)
+        weights = await asyncio.to_thread(self._policy_weights)  # merging copies: off the loop
+        await load_sampler_weights(self.sampler, weights, version)
+
+    def _policy_weights(self) -> dict[str, torch.Tensor]:
+        """The policy as a plain model's state dict: the adapters merged in, if any."""
+        if self.settings.lora_rank is None:
+            return dict(self.model.state_dict())
+        return merged_state_dict(self.model)
 
     # -- training -----------------------------------------------------------------------------
 
@@ -500,7 +521,12 @@ class LocalBackend(BackendProtocol):
 
     async def export_model(self, directory: Path) -> None:
         """Write the trained policy as a Hugging Face model directory (atomically)."""
-        await asyncio.to_thread(save_policy, self.model, self.tokenizer, directory)
+
+        def export() -> None:
+            plain = self.model if self.settings.lora_rank is None else merged_copy(self.model)
+            save_policy(plain, self.tokenizer, directory)
+
+        await asyncio.to_thread(export)
 
     async def shutdown(self) -> None:
         if hasattr(self, "sampler"):

@@ -1,4 +1,5 @@
-"""LoRA adapters for the Tinker-compatible server: train low-rank deltas, sample merged weights.
+"""LoRA adapters (the Tinker-compatible server's, and the local backend's `local.lora_rank`):
+train low-rank deltas, sample merged weights.
 
 `attach_lora` swaps the chosen `nn.Linear` layers of a causal LM for `LoraLinear`s that keep the
 base weight frozen under its original name and add `scale * B @ A` (A: rank x in, Gaussian;
@@ -10,13 +11,24 @@ and the merged weights give the same logits up to float rounding.
 
 from __future__ import annotations
 
+import copy
 import math
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional
+from transformers import PreTrainedModel
 
-__all__ = ["LORA_ALPHA", "LoraLinear", "LoraTargets", "attach_lora", "merged_state_dict"]
+__all__ = [
+    "LORA_ALPHA",
+    "LoraLinear",
+    "LoraTargets",
+    "attach_lora",
+    "merged_copy",
+    "merged_state_dict",
+    "untied_copy",
+]
 
 LORA_ALPHA = 32.0
 """The adapter's output is scaled by `LORA_ALPHA / rank`, so the learning rate barely depends on
@@ -107,3 +119,30 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             if isinstance(module, LoraLinear):
                 merged[f"{name}.weight"] = module.merged_weight().detach().clone()
         return merged
+
+
+def merged_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A plain copy of `model` with every adapter folded into its layer: what an export saves."""
+    plain = copy.deepcopy(model)
+    for name, module in list(plain.named_modules()):
+        if not isinstance(module, LoraLinear):
+            continue
+        layer = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+        with torch.no_grad():
+            layer = layer.to(module.weight.device, module.weight.dtype)
+            layer.weight.copy_(module.merged_weight())
+            if module.bias is not None:
+                layer.bias.copy_(module.bias)
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(plain.get_submodule(parent_name) if parent_name else plain, leaf, layer)
+    return plain
+
+
+def untied_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A copy whose output layer owns its weight, so merged unembedding adapters can load."""
+    template = copy.deepcopy(model).train(False)
+    lm_head: Any = template.get_output_embeddings()
+    if lm_head is not None:
+        lm_head.weight = torch.nn.Parameter(lm_head.weight.detach().clone())
+        template.config.tie_word_embeddings = False
+    return template

@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from backends.local import backend as local_backend
 from backends.local.backend import LocalBackend
 from tests.test_local_backend import PROMPTS, group_of, local_config, sample
 from torchkit.builtin import load_policy
-from torchkit.lora import LoraLinear
+from torchkit.lora import LoraLinear, LoraTargets
 from unified.config import TrainerConfig
-from unified.errors import ConfigError
+from unified.errors import BackendError, ConfigError
 from unified.sequences import sequences_of
 
 
@@ -56,8 +58,10 @@ async def test_only_the_adapters_train_and_the_sampler_samples_the_merged_policy
 async def test_an_export_is_a_plain_model_with_the_adapters_merged(tmp_path: Path) -> None:
     backend = await trained()
     await backend.export_model(tmp_path / "policy")
+    saved = load_file(tmp_path / "policy" / "model.safetensors")
+    assert "lm_head.weight" in saved and not any("lora" in key for key in saved)
     exported, _ = load_policy(str(tmp_path / "policy"))
-    assert not any("lora" in name for name in exported.state_dict())
+    assert exported.config.tie_word_embeddings is False
     ids = torch.tensor([[1, 5, 9, 12, 7, 3]])
     with torch.no_grad():
         expected = backend.model(ids).logits
@@ -66,5 +70,38 @@ async def test_an_export_is_a_plain_model_with_the_adapters_merged(tmp_path: Pat
 
 
 def test_a_lora_rank_below_one_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"local\.lora_rank"):
+    with pytest.raises(ConfigError, match=r"local\.lora_rank.*greater than or equal to 1"):
         LocalBackend().check_config(lora_config(0))
+
+
+@pytest.mark.parametrize(
+    ("saved", "loading", "message"),
+    [
+        ({"lora_rank": 4}, {}, r"trained LoRA adapters of rank 4 .* local\.lora_rank=4"),
+        ({"lora_rank": 4}, {"lora_rank": 8}, r"rank 4 but local\.lora_rank is 8"),
+        ({}, {"lora_rank": 4}, r"trained every weight .* with no local\.lora_rank"),
+    ],
+)
+async def test_a_checkpoint_loaded_with_another_lora_setting_is_one_line(
+    tmp_path: Path, saved: dict[str, int], loading: dict[str, int], message: str
+) -> None:
+    first = LocalBackend()
+    await first.setup(local_config(local=saved))
+    await first.save_checkpoint(tmp_path / "ckpt")
+    second = LocalBackend()
+    await second.setup(local_config(local=loading))
+    with pytest.raises(BackendError, match=message) as caught:
+        await second.load_checkpoint(tmp_path / "ckpt")
+    assert "\n" not in str(caught.value)
+    await first.shutdown()
+    await second.shutdown()
+
+
+async def test_a_model_whose_layers_the_adapters_miss_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As for a model without Qwen2/Llama layer names: only the output layer matches.
+    only_head = LoraTargets(attn=False, mlp=False, unembed=True)
+    monkeypatch.setattr(local_backend, "LoraTargets", lambda: only_head)
+    with pytest.raises(ConfigError, match=r"local\.lora_rank: no attention or MLP layer"):
+        await LocalBackend().setup(lora_config())

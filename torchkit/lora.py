@@ -58,7 +58,8 @@ class LoraLinear(nn.Linear):
     def __init__(self, base: nn.Linear, rank: int, generator: torch.Generator) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
-        # The base tensors themselves (not copies), so their state-dict keys keep their names.
+        # Under the base layer's names, so the state-dict keys of the base weights are unchanged;
+        # copies, so a tied embedding the base weight shared is left as it is.
         self.weight = nn.Parameter(base.weight.detach().clone(), requires_grad=False)
         self.bias = (
             nn.Parameter(base.bias.detach().clone(), requires_grad=False)
@@ -85,8 +86,9 @@ def attach_lora(
 ) -> dict[str, LoraLinear]:
     """Replace the targeted linear layers of `model` by adapters (in place); freeze the rest.
 
-    Returns the adapters by module name. A tied output layer is untied first: its adapter
-    changes the unembedding only, as on the service.
+    Returns the adapters by module name. The output layer's adapter holds its own copy of the
+    weight, so it changes the unembedding only, as on the service; a model saved or synced from
+    the merged weights must be untied (`untied_copy`).
     """
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
@@ -122,14 +124,25 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def merged_copy(model: PreTrainedModel) -> PreTrainedModel:
-    """A plain copy of `model` with every adapter folded into its layer: what an export saves."""
+    """A plain copy of `model` with every adapter folded into its layer: what an export saves.
+
+    Its output layer is untied from the embedding when it had an adapter (else a reload would
+    tie the merged unembedding back to the embedding)."""
     plain = copy.deepcopy(model)
     for name, module in list(plain.named_modules()):
         if not isinstance(module, LoraLinear):
             continue
-        layer = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+        layer = nn.utils.skip_init(  # type: ignore[no-untyped-call]  # no random init: copied in
+            nn.Linear,
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            device=module.weight.device,
+            dtype=module.weight.dtype,
+        )
+        if name.rsplit(".", 1)[-1] == "lm_head":
+            plain.config.tie_word_embeddings = False
         with torch.no_grad():
-            layer = layer.to(module.weight.device, module.weight.dtype)
             layer.weight.copy_(module.merged_weight())
             if module.bias is not None:
                 layer.bias.copy_(module.bias)

@@ -128,7 +128,7 @@ class LocalConfig(BaseModel):
         "the vocabulary at each position, which also sees mass moved onto unsampled tokens.",
     )
     seed: int = Field(
-        0, description="Seed of built-in model initialisation (and of the LoRA adapters')."
+        0, description="Seed of built-in model initialisation (also seeds the LoRA adapters)."
     )
     lora_rank: int | None = Field(
         None,
@@ -232,6 +232,16 @@ class LocalBackend(BackendProtocol):
         self.model = model.to(self.device).eval()
         if s.lora_rank is not None:  # the unembedding's adapter must not change the embedding
             self.model = untied_copy(self.model)
+            targets = LoraTargets()
+            if not any(
+                isinstance(m, torch.nn.Linear) and targets.wants(n) and not n.endswith("lm_head")
+                for n, m in self.model.named_modules()
+            ):
+                raise ConfigError(
+                    f"local.lora_rank: no attention or MLP layer of {config.model!r} has the "
+                    "Qwen2/Llama names the adapters target (q_proj ... down_proj); use such a "
+                    "model or drop local.lora_rank"
+                )
         self.sampler: BatchingSampler | VllmSampler
         if s.engine == "vllm":
             # vLLM loads a model directory: the policy as it starts, beside the run's files.
@@ -498,6 +508,7 @@ class LocalBackend(BackendProtocol):
 
     def _load_checkpoint(self, directory: Path) -> None:
         weights = load_file(directory / "model.safetensors", device=str(self.device))
+        _check_lora_rank(weights, self.settings.lora_rank, directory)
         try:
             self.model.load_state_dict(weights)
         except RuntimeError as e:
@@ -547,6 +558,20 @@ class LocalBackend(BackendProtocol):
             return False
         self._training.release()
         return True
+
+
+def _check_lora_rank(weights: dict[str, torch.Tensor], rank: int | None, directory: Path) -> None:
+    """A one-line error when a checkpoint's adapters (or their absence) differ from the config's."""
+    ranks = [int(t.shape[0]) for key, t in weights.items() if key.endswith(".lora_A")]
+    saved = max(ranks, default=None)  # every adapter has the one rank
+    if saved == rank:
+        return
+    trained = f"LoRA adapters of rank {saved}" if saved else "every weight (no LoRA)"
+    fix = f"local.lora_rank={saved}" if saved else "no local.lora_rank"
+    raise BackendError(
+        f"checkpoint {directory} trained {trained} but local.lora_rank is {rank}; load it with "
+        f"{fix}"
+    )
 
 
 def _sampled_positions(sequence: TrainingSequence) -> list[int]:

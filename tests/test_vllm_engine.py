@@ -304,7 +304,9 @@ async def test_a_misconfigured_engine_is_one_clear_line(
     assert check_settings({}, directory) == VllmSettings()
 
 
-def local_vllm_config(tmp_path: Path, **async_: object) -> TrainerConfig:
+def local_vllm_config(
+    tmp_path: Path, lora_rank: int | None = None, **async_: object
+) -> TrainerConfig:
     return load_config(
         {
             "workflow": "examples.countdown.workflow:CountdownWorkflow",
@@ -312,17 +314,18 @@ def local_vllm_config(tmp_path: Path, **async_: object) -> TrainerConfig:
             "trainer": {"lr": 1e-2},
             "sampling": {"train": {"max_tokens": 8}},
             "logging": {"run_dir": str(tmp_path / "runs"), "console": False},
-            "local": {"engine": "vllm", "vllm": {"kv_cache_gb": 0.25}},
+            "local": {"engine": "vllm", "vllm": {"kv_cache_gb": 0.25}, "lora_rank": lora_rank},
             "async": async_,
         }
     )
 
 
+@pytest.mark.parametrize("lora_rank", [None, 4], ids=["full", "lora"])
 async def test_the_local_backend_trains_and_samples_on_vllm_with_partial_rollouts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lora_rank: int | None
 ) -> None:
     backend = LocalBackend()
-    config = local_vllm_config(tmp_path, partial_rollout=True)
+    config = local_vllm_config(tmp_path, lora_rank, partial_rollout=True)
     backend.check_config(config)  # accepted: vLLM does partial rollouts
     await backend.setup(config)
     sampler = backend.token_sampler()
@@ -357,7 +360,7 @@ async def test_the_local_backend_trains_and_samples_on_vllm_with_partial_rollout
         # A checkpoint keeps the sampler's weights and version; loading it puts them back.
         await backend.save_checkpoint(tmp_path / "ckpt")
         saved = backend.token_sampler().weights()  # type: ignore[attr-defined]
-        for name, tensor in backend.model.state_dict().items():
+        for name, tensor in backend._policy_weights().items():  # merged, with LoRA
             assert torch.equal(saved[name], tensor), name
         await backend.load_checkpoint(tmp_path / "ckpt")
         again = await engine.chat([{"role": "user", "content": PROMPTS[0]}], seed=9)

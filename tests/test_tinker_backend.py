@@ -21,7 +21,7 @@ from tinker_server.server import LocalServer
 from unified import UnifiedTrainer
 from unified.cli import main
 from unified.config import load_config
-from unified.errors import BackendError, UsageError
+from unified.errors import BackendError, ConfigError, UsageError
 from unified.evaluation import run_eval
 from unified.rollout import SamplingEngine
 from unified.sequences import sequences_of
@@ -405,3 +405,27 @@ def base_sample_group(outputs: list[ModelOutput]) -> TrajectoryGroup:
     ]
     advantages = [1.0 if i % 2 else -1.0 for i in range(len(outputs))]
     return TrajectoryGroup(task_id="t", episodes=episodes, advantages=advantages, policy_version=0)
+
+
+async def test_the_adapters_layer_switches_reach_the_server(
+    server: LocalServer, tinker_config: Any
+) -> None:
+    config = tinker_config(server.base_url)
+    config["tinker"] |= {"train_attn": False, "train_unembed": False}
+    backend = TinkerBackend()
+    await backend.setup(load_config(config))
+    try:
+        shapes = [m.training.lora for m in server.service.models.values()]
+        assert shapes, "the backend created its training client"
+        for lora in shapes:
+            assert (lora.train_attn, lora.train_mlp, lora.train_unembed) == (False, True, False)
+    finally:
+        await backend.shutdown()
+
+
+def test_adapters_on_no_layer_are_a_config_error(tinker_config: Any) -> None:
+    config = tinker_config()
+    config["tinker"] |= {"train_attn": False, "train_mlp": False, "train_unembed": False}
+    with pytest.raises(ConfigError, match=r"all false: nothing would train") as caught:
+        TinkerBackend().check_config(load_config(config))
+    assert "\n" not in str(caught.value)

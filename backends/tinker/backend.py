@@ -127,7 +127,7 @@ class TinkerBackend(BackendProtocol):
             self.reference = await self._remote(
                 "create_lora_training_client (KL reference)",
                 lambda: service.create_lora_training_client(
-                    self.base_model, rank=settings.lora_rank, seed=settings.lora_seed
+                    self.base_model, **_lora_shape(settings)
                 ),
                 idempotent=True,
                 blocking=True,
@@ -136,9 +136,7 @@ class TinkerBackend(BackendProtocol):
             return  # `load_checkpoint` makes the policy's client from the saved state
         training = await self._remote(
             "create_lora_training_client",
-            lambda: service.create_lora_training_client(
-                self.base_model, rank=settings.lora_rank, seed=settings.lora_seed
-            ),
+            lambda: service.create_lora_training_client(self.base_model, **_lora_shape(settings)),
             idempotent=True,
             blocking=True,
         )
@@ -436,6 +434,17 @@ class TinkerBackend(BackendProtocol):
             if self._server is not None:
                 server, self._server = self._server, None
                 await server.stop()
+
+
+def _lora_shape(settings: TinkerConfig) -> dict[str, Any]:
+    """`create_lora_training_client`'s adapter arguments from the `tinker:` section."""
+    return {
+        "rank": settings.lora_rank,
+        "seed": settings.lora_seed,
+        "train_attn": settings.train_attn,
+        "train_mlp": settings.train_mlp,
+        "train_unembed": settings.train_unembed,
+    }
 
 
 def _train_metrics(pending: list[_Pending], outputs: list[Any]) -> dict[str, float]:

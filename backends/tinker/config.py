@@ -49,6 +49,11 @@ class TinkerConfig(BaseModel):
     )
     lora_rank: int = Field(32, ge=1, description="Rank of the trained LoRA adapters.")
     lora_seed: int = Field(0, description="Seed of the adapters' initialisation.")
+    train_attn: bool = Field(True, description="Adapters on the attention layers (Tinker's).")
+    train_mlp: bool = Field(True, description="Adapters on the MLP layers (Tinker's).")
+    train_unembed: bool = Field(
+        True, description="An adapter on the output (unembedding) layer (Tinker's)."
+    )
     request_timeout_s: float = Field(
         300.0, gt=0, description="Deadline of one remote call (submission to result)."
     )
@@ -82,7 +87,7 @@ class TinkerConfig(BaseModel):
         """Validate the config's `tinker:` section; a bad key is a `ConfigError` naming it."""
         refuse_moved_keys(section, "tinker", cls.moved_keys)
         try:
-            return cls.model_validate(section)
+            settings = cls.model_validate(section)
         except ValidationError as e:
             first = e.errors()[0]
             key = ".".join(str(p) for p in first["loc"])
@@ -97,3 +102,9 @@ class TinkerConfig(BaseModel):
                     f"unknown config key 'tinker.{key}'; valid keys: {valid}"
                 ) from None
             raise ConfigError(f"config key 'tinker.{key}': {first['msg']}") from None
+        if not (settings.train_attn or settings.train_mlp or settings.train_unembed):
+            raise ConfigError(
+                "tinker.train_attn, train_mlp and train_unembed are all false: nothing would "
+                "train; set at least one to true"
+            )
+        return settings

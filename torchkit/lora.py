@@ -27,6 +27,7 @@ __all__ = [
     "attach_lora",
     "merged_copy",
     "merged_state_dict",
+    "targeted_layers",
     "untied_copy",
 ]
 
@@ -81,6 +82,15 @@ class LoraLinear(nn.Linear):
         return self.weight + self.scale * (self.lora_B @ self.lora_A)
 
 
+def targeted_layers(model: nn.Module, targets: LoraTargets) -> list[str]:
+    """The names of `model`'s linear layers that `targets` gives adapters, in module order."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and targets.wants(name)
+    ]
+
+
 def attach_lora(
     model: nn.Module, rank: int, targets: LoraTargets, *, seed: int = 0
 ) -> dict[str, LoraLinear]:
@@ -96,9 +106,9 @@ def attach_lora(
         p.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
     adapters: dict[str, LoraLinear] = {}
-    for name, module in list(model.named_modules()):
-        if not (isinstance(module, nn.Linear) and targets.wants(name)):
-            continue
+    for name in targeted_layers(model, targets):
+        module = model.get_submodule(name)
+        assert isinstance(module, nn.Linear)
         adapter = LoraLinear(module, rank, generator).to(module.weight.device)
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

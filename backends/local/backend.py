@@ -30,7 +30,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
 from torchkit.builtin import check_model_spec, load_policy, save_policy
-from torchkit.lora import LoraTargets, attach_lora, merged_copy, merged_state_dict, untied_copy
+from torchkit.lora import (
+    LoraTargets,
+    attach_lora,
+    merged_copy,
+    merged_state_dict,
+    targeted_layers,
+    untied_copy,
+)
 from torchkit.losses import (
     LossAggregation,
     full_kl,
@@ -232,11 +239,8 @@ class LocalBackend(BackendProtocol):
         self.model = model.to(self.device).eval()
         if s.lora_rank is not None:  # the unembedding's adapter must not change the embedding
             self.model = untied_copy(self.model)
-            targets = LoraTargets()
-            if not any(
-                isinstance(m, torch.nn.Linear) and targets.wants(n) and not n.endswith("lm_head")
-                for n, m in self.model.named_modules()
-            ):
+            layers = targeted_layers(self.model, LoraTargets())
+            if all(name.rsplit(".", 1)[-1] == "lm_head" for name in layers):
                 raise ConfigError(
                     f"local.lora_rank: no attention or MLP layer of {config.model!r} has the "
                     "Qwen2/Llama names the adapters target (q_proj ... down_proj); use such a "
@@ -568,9 +572,10 @@ def _check_lora_rank(weights: dict[str, torch.Tensor], rank: int | None, directo
         return
     trained = f"LoRA adapters of rank {saved}" if saved else "every weight (no LoRA)"
     fix = f"local.lora_rank={saved}" if saved else "no local.lora_rank"
+    setting = "unset" if rank is None else rank
     raise BackendError(
-        f"checkpoint {directory} trained {trained} but local.lora_rank is {rank}; load it with "
-        f"{fix}"
+        f"checkpoint {directory} trained {trained} but local.lora_rank is {setting}; load it "
+        f"with {fix}"
     )
 
 

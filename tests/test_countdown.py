@@ -34,7 +34,9 @@ from examples.countdown.baselines import (
 )
 from examples.countdown.expressions import random_tree, render
 from unified.data import load_tasks
+from unified.errors import UsageError
 from unified.protocol import RolloutEngine
+from unified.rollout import resolve_workflow
 from unified.types import ModelOutput, Task
 
 DATA = {"numbers": [3, 4, 6], "target": 8}
@@ -397,6 +399,21 @@ async def test_workflow_run_scores_the_reply(reply: str, reward: float, correct:
     assert trajectory.reward == pytest.approx(reward)
     assert trajectory.steps[0].info == {"correct": correct}
     assert engine.seen == [[{"role": "user", "content": "3 7 12 -> 33"}]]
+
+
+async def test_workflow_args_set_the_credits_of_one_run() -> None:
+    task = Task(id="t", data={"numbers": [3, 7, 12], "target": 33})
+    workflow = resolve_workflow(
+        "examples.countdown.workflow:CountdownWorkflow", {"closeness_reward": 0.3}
+    )
+    trajectory = await workflow(task, ReplyEngine("3+7+12"))
+    assert trajectory.reward == pytest.approx(0.1 + 0.3 * (1 - 11 / 33))
+    assert CountdownWorkflow.closeness_reward == 0.45  # the class default is untouched
+
+
+def test_workflow_args_outside_the_reward_range_are_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="closeness_reward must be in \\[0, 1\\)"):
+        resolve_workflow("examples.countdown.workflow:CountdownWorkflow", {"closeness_reward": 3})
 
 
 def test_warmstart_in_order_keeps_the_prompt_order_of_the_numbers() -> None:

@@ -476,13 +476,17 @@ def test_an_openai_agent_trains_through_agent_workflow_on_the_tinker_backend(
     assert metrics["groups/trained"] == 2 and "rollout/tool_use" in metrics
 
 
-def test_an_openai_agent_trains_on_a_ray_rollout_worker(tmp_path: Path) -> None:
+def test_an_openai_agent_trains_on_a_ray_rollout_worker(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """On a worker the agent's gateway runs in the worker's process, one per episode."""
     import ray
 
     from unified.ray_runtime import start_local_ray
 
     start_local_ray(num_cpus=2)
+    started = capfd.readouterr()
+    assert "Ray" not in started.out + started.err, "Ray's start-up notices stay off the console"
     try:
         config = agent_config(
             tmp_path,

@@ -39,8 +39,11 @@ def composed(config: TrainerConfig, model_dir: Path) -> Any:
     return compose_verl_config(hydra_overrides(config, parse_verl_config(config), model_dir))
 
 
-def test_sync_config_translates_to_a_validated_verl_config(model_dir: Path) -> None:
+def test_sync_config_translates_to_a_validated_verl_config(
+    model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     verl_config = composed(run_config(mode="sync"), model_dir)
+    assert capsys.readouterr().out == "", "verl's validation prints nothing on a run's console"
     actor = verl_config.actor_rollout_ref.actor
     assert actor.ppo_mini_batch_size == 4, "one optimizer step per trainer step"
     assert verl_config.actor_rollout_ref.rollout.n == 3, "group_size is verl's rollout.n"

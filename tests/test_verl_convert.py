@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -168,6 +169,15 @@ def test_no_padding_form_round_trips_through_verls_helpers() -> None:
     predecessors = torch.cat([t["prompts"][:, -1:], t["responses"][:, :-1]], dim=1)
     mask = t["response_mask"].bool()
     assert torch.equal(restored[mask].long(), predecessors[mask])
+
+
+def test_the_no_padding_form_prints_no_torch_fx_notice(caplog: pytest.LogCaptureFixture) -> None:
+    from torch.fx import _symbolic_trace
+
+    _symbolic_trace.is_fx_tracing_warning.cache_clear()  # torch logs it once per process
+    with caplog.at_level(logging.WARNING):
+        to_no_padding(groups_to_batch(single_turn_groups(), pad_token_id=PAD))
+    assert not [r for r in caplog.records if r.name.startswith("torch.fx")], caplog.text
 
 
 def test_micro_batches_shrink_for_a_small_batch() -> None:

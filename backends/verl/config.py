@@ -17,6 +17,8 @@ composed config records them; unified's coordinator, not verl's trainer, enforce
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,6 +47,8 @@ __all__ = [
     "reference_worker_config",
     "training_worker_config",
 ]
+
+log = logging.getLogger(__name__)
 
 VERL_VERSION = "0.9.1"
 
@@ -341,12 +345,16 @@ def compose_verl_config(overrides: list[str]) -> Any:
     except ConfigCompositionException as e:
         raise ConfigError(f"verl {VERL_VERSION} rejects an override: {_one_line(e)}") from e
     OmegaConf.resolve(composed)
-    with verl_checks():
+    printed = io.StringIO()  # verl prints its notices and a success line on stdout
+    with verl_checks(), contextlib.redirect_stdout(printed):
         validate_config(
             composed,
             use_reference_policy=need_reference_policy(composed),
             use_critic=need_critic(composed),
         )
+    for line in printed.getvalue().splitlines():
+        if line.strip() and "checks passed" not in line:
+            log.warning("verl's validate_config: %s", line.strip())
     return composed
 
 

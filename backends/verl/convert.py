@@ -18,6 +18,7 @@ with `response_mask` and `advantages` zeroed, so they carry no loss and no gradi
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,6 +33,16 @@ from unified.errors import BackendError
 from unified.sequences import TrainingSequence
 
 __all__ = ["micro_batch_rows", "to_batch", "to_no_padding"]
+
+
+def _not_the_fx_tracing_notice(record: logging.LogRecord) -> bool:
+    return "is_fx_tracing will return true" not in record.getMessage()
+
+
+# verl's no-padding layout builds jagged nested tensors, and torch.nested asks
+# `torch.fx.is_fx_tracing`, which logs a notice about torch.export once per process: torch's
+# own API note, nothing a user of this backend can act on, printed in the middle of a run.
+logging.getLogger("torch.fx._symbolic_trace").addFilter(_not_the_fx_tracing_notice)
 
 
 def to_batch(

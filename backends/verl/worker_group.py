@@ -64,7 +64,7 @@ class PolicyGroup:
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
         from backends.verl.worker import PolicyWorker
-        from unified.ray_runtime import init_ray
+        from unified.ray_runtime import init_ray, start_local_ray
 
         env = self._worker_environment()
         if self.device == "cpu":
@@ -76,13 +76,9 @@ class PolicyGroup:
             set_platform(CPUPlatform())
         if not ray.is_initialized():
             if self.ray_address is None:
-                cpus = max(self.num_workers, os.cpu_count() or 1)
-                init_ray(
-                    num_cpus=cpus,
+                start_local_ray(
+                    max(self.num_workers, os.cpu_count() or 1),
                     num_gpus=0 if self.device == "cpu" else None,
-                    include_dashboard=False,
-                    _node_ip_address="127.0.0.1",
-                    log_to_driver=False,
                     runtime_env={"env_vars": env},
                 )
             else:

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,19 @@ class SlowCountdown(PidCountdown):
     async def run(self, task: Task, model: RolloutEngine) -> Trajectory:
         await asyncio.sleep(1.0)
         return await super().run(task, model)
+
+
+class SlowToArrive(PidCountdown):
+    """Takes 10 s to unpickle in its worker, as a workflow importing heavy modules on a loaded
+    machine does: longer than the 8 s stall deadline its test sets."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_arrive_slowly, ())
+
+
+def _arrive_slowly() -> SlowToArrive:
+    time.sleep(10)
+    return SlowToArrive()
 
 
 class DiesOnce(PidCountdown):
@@ -286,6 +300,17 @@ def test_episodes_past_a_workers_slots_wait_in_the_trainer_and_lose_no_worker(
     result = UnifiedTrainer(config, workflow=SlowCountdown(), backend=LocalBackend()).fit()
     assert result.steps == 2 and result.metrics["episodes/timeouts"] == 0.0
     assert not [r for r in caplog.records if "lost" in r.getMessage()], "a worker was lost"
+
+
+@pytest.mark.usefixtures("private_ray")
+def test_a_worker_slower_to_start_than_the_stall_deadline_still_starts(
+    make_config: ConfigFactory,
+) -> None:
+    config = countdown_on_two_workers(make_config)
+    config["trainer"] |= {"total_steps": 1, "workflow_timeout_s": 1.5, "stall_timeout_s": 8}
+    config["rollout"] = {"workers": 1, "worker_cpus": 0.5}
+    result = UnifiedTrainer(config, workflow=SlowToArrive(), backend=LocalBackend()).fit()
+    assert result.steps == 1 and result.metrics["episodes/errors"] == 0.0
 
 
 @pytest.mark.usefixtures("private_ray")

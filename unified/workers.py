@@ -60,6 +60,10 @@ _POLL_S = 5.0
 _ATTEMPTS = 3
 """Runs of one episode whose worker died before it is recorded as an error episode."""
 
+_START_FLOOR_S = 60.0
+"""The least a worker gets to come up: a new Ray worker process imports torch and the workflow,
+which on a loaded machine takes longer than a short `trainer.stall_timeout_s` allows a call."""
+
 
 class _TrainerSampler:
     """The policy's `TokenSampler` as seen from inside a worker: the workflow's `SamplingEngine`
@@ -285,7 +289,7 @@ class WorkerPool:
             self._workflow, tokenizer, self._sampling, self._workflow_timeout_s, self._concurrency
         )
         try:
-            async with asyncio.timeout(self._call_timeout_s):
+            async with asyncio.timeout(max(self._call_timeout_s, _START_FLOOR_S)):
                 await actor.ready.remote()
         except BaseException:
             ray.kill(actor, no_restart=True)

@@ -101,7 +101,10 @@ async def test_a_model_whose_layers_the_adapters_miss_is_refused_in_one_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # As for a model without Qwen2/Llama layer names: only the output layer matches.
-    only_head = LoraTargets(attn=False, mlp=False, unembed=True)
-    monkeypatch.setattr(local_backend, "LoraTargets", lambda: only_head)
+    monkeypatch.setattr(
+        local_backend,
+        "LoraTargets",
+        lambda **kw: LoraTargets(**({"attn": False, "mlp": False} | kw)),
+    )
     with pytest.raises(ConfigError, match=r"local\.lora_rank: no attention or MLP layer"):
         await LocalBackend().setup(lora_config())

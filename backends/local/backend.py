@@ -239,8 +239,7 @@ class LocalBackend(BackendProtocol):
         self.model = model.to(self.device).eval()
         if s.lora_rank is not None:  # the unembedding's adapter must not change the embedding
             self.model = untied_copy(self.model)
-            layers = targeted_layers(self.model, LoraTargets())
-            if all(name.rsplit(".", 1)[-1] == "lm_head" for name in layers):
+            if not targeted_layers(self.model, LoraTargets(unembed=False)):
                 raise ConfigError(
                     f"local.lora_rank: no attention or MLP layer of {config.model!r} has the "
                     "Qwen2/Llama names the adapters target (q_proj ... down_proj); use such a "

@@ -267,7 +267,8 @@ def test_every_answer_of_the_sdk_flow_validates_against_the_sdks_types(
 
     snapshot = tc.save_weights_and_get_sampling_client().result(DEADLINE_S)
     response = sample(snapshot)
-    assert [len(s.tokens) for s in response.sequences] == [4, 4]
+    assert len(response.sequences) == 2  # each runs to max_tokens unless it samples EOS
+    assert all(len(s.tokens) == 4 or s.stop_reason == "stop" for s in response.sequences)
     logprobs = snapshot.compute_logprobs(tinker.ModelInput.from_ints(PROMPT)).result(DEADLINE_S)
     assert logprobs[0] is None and len(logprobs) == len(PROMPT)
     from_training = tc.create_sampling_client(for_sampler.path).result(DEADLINE_S)

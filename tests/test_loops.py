@@ -196,12 +196,13 @@ def test_partial_rollout_requests_span_weight_syncs(make_config: ConfigFactory) 
     )
 
     async def until_a_sync(seed: int) -> None:
-        """Hold a request's end token until the next weight sync (or 200 yields)."""
+        """Hold a request's end token until the next weight sync (or 0.5 s: a loaded host's
+        trainer can take longer than any fixed number of event-loop turns)."""
         start = backend.sampler_version
-        for _ in range(200):
+        for _ in range(500):  # >= 0.5 s: each sleep lasts at least its 1 ms
             if backend.sampler_version != start:
                 return
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.001)
 
     backend = VersionCheckingBandit(
         latency=heavy_tailed_latency(), capabilities=PARTIAL, end_latency=until_a_sync

@@ -100,7 +100,7 @@ async def test_a_checkpoint_loaded_with_another_lora_setting_is_one_line(
 async def test_a_model_whose_layers_the_adapters_miss_is_refused_in_one_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # As for a model without Qwen2/Llama layer names: only the output layer matches.
+    # As for a model without Qwen2/Llama layer names: no attention or MLP layer matches.
     monkeypatch.setattr(
         local_backend,
         "LoraTargets",

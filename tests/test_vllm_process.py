@@ -34,6 +34,19 @@ if __name__ == "__main__":
     time.sleep(600)
 """
 
+# The simplest script: a sampler in `__main__`'s globals, shut down after its event loop ended.
+SAMPLE_AND_EXIT = """
+import asyncio, sys
+from torchkit.vllm_engine import VllmSampler
+from unified.types import SamplingParams
+
+if __name__ == "__main__":
+    sampler = VllmSampler.start(sys.argv[1], {"kv_cache_gb": 0.25})
+    output = asyncio.run(sampler.sample([1, 2, 3], SamplingParams(max_tokens=4)))
+    sampler.shutdown()
+    print("sampled", len(output.completion_ids), flush=True)
+"""
+
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="CPU cores: the CPU engine's setting")
 def test_on_a_small_machine_the_engine_runs_on_every_core(
@@ -91,3 +104,24 @@ def test_a_killed_trainer_leaves_no_engine_process_and_no_weights_file(
     while weights_dir.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not weights_dir.exists(), "the weights file in shared memory outlived the trainer"
+
+
+def test_a_script_that_shuts_its_sampler_down_after_its_event_loop_exits(
+    tmp_path: Path, policy: tuple[torch.nn.Module, object, Path]
+) -> None:
+    # vLLM closes its client's sockets on the loop they were made on; once `asyncio.run` has
+    # closed that loop it left them open, and the interpreter's exit hung on them (zmq's
+    # context term) after the script had printed everything.
+    script = tmp_path / "sample.py"
+    script.write_text(SAMPLE_AND_EXIT)
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, str(script), str(policy[2])],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "sampled 4" in run.stdout.splitlines()

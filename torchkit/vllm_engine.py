@@ -461,6 +461,7 @@ class VllmSampler:
         if self._transfer is not None:
             self._transfer.close()
         self.engine.shutdown()
+        _close_orphaned_sockets(self.engine)
         # `AsyncLLM.__del__` calls `self.shutdown()` again, at interpreter exit once module
         # globals are gone, and prints a TypeError: the instance's own no-op answers it.
         self.engine.shutdown = _shut_down
@@ -469,6 +470,24 @@ class VllmSampler:
 
 def _shut_down(timeout: float | None = None) -> None:
     """What a shut-down engine's `shutdown` does: nothing more."""
+
+
+def _close_orphaned_sockets(engine: Any) -> None:
+    """Close the engine client's sockets that vLLM's shutdown left open.
+
+    vLLM closes them on the event loop they were made on: never, once that loop has stopped (a
+    sampler shut down after `asyncio.run` returned). Left open, they hang the interpreter's exit
+    in zmq's context termination.
+    """
+    import zmq  # vLLM's own dependency, present wherever an engine ran
+
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    task = getattr(resources, "output_queue_task", None)
+    if task is None or task.get_loop().is_running():
+        return  # vLLM closed them, or will on their running loop
+    for value in vars(resources).values():
+        if isinstance(value, zmq.Socket) and not value.closed:
+            value.close(linger=0)
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from torchkit import vllm_settings
 from torchkit.vllm_settings import VllmSettings, engine_environment
 
 RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
 ROOT = Path(__file__).resolve().parents[1]
 
 # Starts an engine, says where its weights file lives, and waits to be killed.
@@ -54,13 +55,23 @@ def test_on_a_small_machine_the_engine_runs_on_every_core(
 ) -> None:
     monkeypatch.delenv(RESERVED, raising=False)
     monkeypatch.setattr(vllm_settings, "_cores", lambda: 2)
-    assert engine_environment(VllmSettings()) == {RESERVED: "0"}
-    assert engine_environment(VllmSettings(cpu_reserved_cores=1)) == {RESERVED: "1"}
+    assert engine_environment(VllmSettings())[RESERVED] == "0"
+    assert engine_environment(VllmSettings(cpu_reserved_cores=1))[RESERVED] == "1"
     monkeypatch.setattr(vllm_settings, "_cores", lambda: 32)
-    assert engine_environment(VllmSettings()) == {}, "a large machine: vLLM's own default"
+    assert RESERVED not in engine_environment(VllmSettings()), "a large machine: vLLM's own"
     monkeypatch.setattr(vllm_settings, "_cores", lambda: 2)
     monkeypatch.setenv(RESERVED, "1")
-    assert engine_environment(VllmSettings()) == {}, "the user's own variable is kept"
+    assert RESERVED not in engine_environment(VllmSettings()), "the user's own variable is kept"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="the CPU engine's memory")
+def test_the_cpu_engine_allocates_on_huge_pages_unless_the_user_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(HUGE_PAGES, raising=False)
+    assert engine_environment(VllmSettings())[HUGE_PAGES] == "1"
+    monkeypatch.setenv(HUGE_PAGES, "0")
+    assert HUGE_PAGES not in engine_environment(VllmSettings()), "the user's own variable is kept"
 
 
 def started(process: subprocess.Popen[str], deadline_s: float) -> str:

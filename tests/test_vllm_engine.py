@@ -46,6 +46,7 @@ PROMPTS = ["3 5 7 -> 22", "12 4 -> 3", "1 2 3 -> 6", "9 9 -> 81"]
 async def sampler(policy: tuple[torch.nn.Module, object, Path]) -> AsyncIterator[VllmSampler]:
     directory = policy[2]
     engine = VllmSampler.start(directory, {"kv_cache_gb": 0.25, "max_num_seqs": 32})
+    await engine.warm_up()  # as backends do: the tests below check it left version 0's weights
     yield engine
     engine.shutdown()
 

@@ -373,6 +373,18 @@ class VllmSampler:
             await self.engine.abort([call.request_id for call in calls])
         return len(calls)
 
+    async def warm_up(self) -> None:
+        """Reload the weights the engine started on, once, before any request: a reload first
+        runs into fresh memory for every layer (2.1 s at 0.36B fp32, later ones 0.5-0.7 s), a
+        cost of start-up rather than of a training step's sync. Only the shared-memory way
+        reloads; the transfer engines have nothing to warm."""
+        if self.settings.weight_transfer == "shared_memory":
+            async with self._loading:
+                await self.engine.collective_rpc(
+                    "load_shared_weights",
+                    kwargs={"path": str(self._shared.path), "layout": self._shared.layout},
+                )
+
     async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Make `state_dict` (Hugging Face parameter names) the weights of `version`.
 

@@ -229,6 +229,8 @@ class LocalBackend(BackendProtocol):
             self._reference_pool = ThreadPoolExecutor(1, thread_name_prefix="local-reference")
         self._sampler_batches = 2 if self._threads.sampler + self._threads.training <= total else 1
         await asyncio.to_thread(self._load, config)
+        if isinstance(self.sampler, VllmSampler):
+            await self.sampler.warm_up()
 
     def _load(self, config: TrainerConfig) -> None:
         s = self.settings

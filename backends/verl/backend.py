@@ -124,6 +124,7 @@ class VerlBackend(BackendProtocol):
                 key="verl.vllm",
                 load_timeout_s=config.trainer.backend_timeout_s,
             )
+            await self.sampler.warm_up()
         else:
             self.sampler = BatchingSampler(
                 model,

@@ -374,16 +374,20 @@ class VllmSampler:
         return len(calls)
 
     async def warm_up(self) -> None:
-        """Reload the weights the engine started on, once, before any request: a reload first
-        runs into fresh memory for every layer (2.1 s at 0.36B fp32, later ones 0.5-0.7 s), a
-        cost of start-up rather than of a training step's sync. Only the shared-memory way
-        reloads; the transfer engines have nothing to warm."""
-        if self.settings.weight_transfer == "shared_memory":
-            async with self._loading:
-                await self.engine.collective_rpc(
-                    "load_shared_weights",
-                    kwargs={"path": str(self._shared.path), "layout": self._shared.layout},
-                )
+        """Reload the weights the engine holds, once at start: a reload first runs into fresh
+        memory for every layer (2.1 s at 0.36B fp32, later ones 0.5-0.7 s), a cost of start-up
+        rather than of a training step's sync. Pauses as a sync does. Only the shared-memory
+        way reloads; the transfer engines have nothing to warm."""
+        if self.settings.weight_transfer != "shared_memory":
+            return
+        async with self._loading:
+            self._open.clear()
+            try:
+                await self._pause()  # a sync's pause: safe with requests running, too
+                await self._reload(self._shared.layout)
+                await self.engine.resume_generation()
+            finally:
+                self._open.set()
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Make `state_dict` (Hugging Face parameter names) the weights of `version`.
@@ -413,15 +417,18 @@ class VllmSampler:
                 if self._transfer is not None:  # the file is only the record (`weights`)
                     await self._transfer.send(self._complete(state_dict))
                 else:
-                    await self.engine.collective_rpc(
-                        "load_shared_weights",
-                        kwargs={"path": str(self._shared.path), "layout": layout},
-                    )
+                    await self._reload(layout)
                 self._loaded = self._shared.path
                 self.version = version
                 await self.engine.resume_generation()
             finally:
                 self._open.set()
+
+    async def _reload(self, layout: Layout) -> None:
+        """vLLM's in-place reload from the shared file (the engine is paused)."""
+        await self.engine.collective_rpc(
+            "load_shared_weights", kwargs={"path": str(self._shared.path), "layout": layout}
+        )
 
     async def _pause(self) -> None:
         """Pause vLLM with no request left running on the old weights (`_open` is clear)."""

@@ -72,6 +72,7 @@ def create_app(
                 futures.open(tasks)
                 try:
                     await asyncio.to_thread(service.load)
+                    await service.warm_up()
                 except Exception as e:
                     app.state.load_error = e
                     if ready is None:

@@ -113,6 +113,12 @@ class LocalTinker:
         else:
             self.tokenizer_dir = Path(self.model_spec).resolve()
 
+    async def warm_up(self) -> None:
+        """Ready the sampling engine after `load` (vLLM: its first reload now, at start, not in
+        the first change of snapshot)."""
+        if isinstance(self.pool.engine, VllmEngine):
+            await self.pool.engine.sampler.warm_up()
+
     def close(self) -> None:
         """Free the sampling engine (vLLM's processes and files); blocking."""
         if hasattr(self, "pool"):

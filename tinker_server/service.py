@@ -117,7 +117,7 @@ class LocalTinker:
         """Ready the sampling engine after `load` (vLLM: its first reload now, at start, not in
         the first change of snapshot)."""
         if isinstance(self.pool.engine, VllmEngine):
-            await self.pool.engine.sampler.warm_up()
+            await self.pool.engine.warm_up()
 
     def close(self) -> None:
         """Free the sampling engine (vLLM's processes and files); blocking."""

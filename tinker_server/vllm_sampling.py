@@ -91,6 +91,10 @@ class VllmEngine:
             return _VllmSnapshot(self._turns, _BASE_VERSION, self._base)
         return _VllmSnapshot(self._turns, next(self._numbers), weights)
 
+    async def warm_up(self) -> None:
+        """The engine's first reload, at start (`VllmSampler.warm_up`)."""
+        await self.sampler.warm_up()
+
     def close(self) -> None:
         self.sampler.shutdown()
         shutil.rmtree(self._workdir, ignore_errors=True)

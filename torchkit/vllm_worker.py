@@ -48,6 +48,7 @@ class _QuietReload(logging.Filter):
         return not (
             record.msg == "%s: Failed to load weights"
             and isinstance(record.args, tuple)
+            and len(record.args) == 1
             and str(record.args[0]).endswith("RotaryEmbedding")
         )
 

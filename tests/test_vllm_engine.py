@@ -282,6 +282,31 @@ async def test_with_partial_rollouts_a_request_continues_across_a_sync_on_the_ne
     assert stale > 1e-3, "the two versions' weights differ"
 
 
+async def test_a_request_that_arrives_during_a_sync_waits_for_it_and_is_not_waited_for(
+    sampler: VllmSampler, policy: tuple[torch.nn.Module, object, Path]
+) -> None:
+    # Without partial rollouts a sync waits for the running requests. A request that arrived
+    # after the sync began counted as running while it waited for the sync: each waited for
+    # the other until a deadline (an async countdown run on vLLM stalled 60 s at a time).
+    _, tokenizer, _ = policy
+    ids = encode(tokenizer, PROMPTS[2])
+    old_version = sampler.version
+    running = asyncio.create_task(sampler.sample(ids, params(seed=3, max_tokens=40)))
+    await running_in(sampler)
+    sync = asyncio.create_task(sampler.load_weights(sampler.weights(), version=old_version + 1))
+    for _ in range(1000):  # until the sync has closed the gate to new requests
+        if not sampler._open.is_set():
+            break
+        await asyncio.sleep(0.001)
+    assert not sampler._open.is_set() and not running.done()
+    late = asyncio.create_task(sampler.sample(ids, params(seed=4, max_tokens=4)))
+    async with asyncio.timeout(60):
+        await sync
+        before, after = await running, await late
+    assert before.policy_version == old_version, "the running request ended on the old weights"
+    assert after.policy_version == old_version + 1, "the late one ran on the new weights"
+
+
 async def test_a_misconfigured_engine_is_one_clear_line(
     policy: tuple[torch.nn.Module, object, Path],
 ) -> None:

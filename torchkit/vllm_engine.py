@@ -226,6 +226,9 @@ class VllmSampler:
         new weights, and the output records each token's version (`token_versions`).
         """
         check_request(prompt_ids, params, self.max_model_len)
+        # Not running until it passes the gate: a sync waits for the running requests, and a
+        # new one waiting for that sync must not be among them (each would wait for the other).
+        await self._open.wait()
         with self._tracked() as call:
             first_version: int | None = None
             while True:
@@ -277,6 +280,7 @@ class VllmSampler:
             )
         params = SamplingParams(temperature=1.0, max_tokens=1)
         check_request(prompt_ids, params, self.max_model_len)
+        await self._open.wait()  # not running until it passes the gate (`sample`)
         with self._tracked() as call:
             while True:
                 await self._open.wait()

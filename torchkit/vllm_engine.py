@@ -40,7 +40,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -384,14 +384,10 @@ class VllmSampler:
         way reloads; the transfer engines have nothing to warm."""
         if self.settings.weight_transfer != "shared_memory":
             return
-        async with self._loading:
-            self._open.clear()
-            try:
-                await self._pause()  # a sync's pause: safe with requests running, too
-                await self._reload(self._shared.layout)
-                await self.engine.resume_generation()
-            finally:
-                self._open.set()
+        async with self._loading, self._gate_closed():
+            await self._pause()  # a sync's pause: safe with requests running, too
+            await self._reload(self._shared.layout)
+            await self.engine.resume_generation()
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Make `state_dict` (Hugging Face parameter names) the weights of `version`.
@@ -403,8 +399,7 @@ class VllmSampler:
         async with self._loading:
             if self.settings.weight_transfer != "shared_memory" and self._transfer is None:
                 self._transfer = await WeightTransfer.open(self.engine, self.settings)
-            self._open.clear()
-            try:
+            async with self._gate_closed():
                 # vLLM reads the file only after the pause: it is written while the running
                 # requests finish, or with partial rollouts decode until they are cut.
                 if self.partial_rollout:
@@ -425,8 +420,15 @@ class VllmSampler:
                 self._loaded = self._shared.path
                 self.version = version
                 await self.engine.resume_generation()
-            finally:
-                self._open.set()
+
+    @contextlib.asynccontextmanager
+    async def _gate_closed(self) -> AsyncIterator[None]:
+        """New requests wait at the gate (`_open`) for the block, however it ends."""
+        self._open.clear()
+        try:
+            yield
+        finally:
+            self._open.set()
 
     async def _reload(self, layout: Layout) -> None:
         """vLLM's in-place reload from the shared file (the engine is paused)."""

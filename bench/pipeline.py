@@ -19,7 +19,16 @@ inside the model request and a concurrency limit; (c) training bound; (d-f) trai
 heavy-tailed workflows at `max_staleness: 1`, the slowest episodes lasting several steps, at two
 tails and two batch shapes.
 
+With `--sampler` it runs the workloads whose latency sits in the sampler instead
+(`bench.engine_sim`: token by token, bounded engine slots, a version per token), in three
+async modes in the same process: the default (admission by count, partial rollouts), the same
+with requests finishing on their snapshot (the tinker backend's case), and the strict per-group
+bound with over-admission (the default before 2026-12). Each row: efficiency against the
+physical bound max(training, generation), tokens decoded per token trained, mean trained
+length over mean generated, the trained tokens' lag (mean, p99, max), the engine's idle share.
+
     python -m bench.pipeline --json runs/bench-pipeline.json
+    python -m bench.pipeline --sampler --steps 60 --json runs/bench-pipeline-sampler.json
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench.engine_sim import EngineBackend, EngineWorkload, engine_workloads
 from unified import RolloutEngine, Step, Task, Trajectory, TrajectoryGroup, UnifiedTrainer
 from unified.config import TrainerConfig
 from unified.coordinator import SyncCoordinator
@@ -227,6 +237,24 @@ def tool_workflow(w: Workload, rng: random.Random) -> Any:
     return run
 
 
+def trainer_section(
+    args: argparse.Namespace, batch: int, group: int, micro_batch: int | None
+) -> dict[str, Any]:
+    """A bench run's `trainer:`: no evaluation, no checkpoints, no filtering."""
+    return {
+        "total_steps": args.steps,
+        "batch_size": batch,
+        "group_size": group,
+        "lr": 0.01,
+        "eval_every": 0,
+        "eval_before_train": False,
+        "save_every": 0,
+        "filter_groups": False,  # every group trains: no refills blur the bound
+        "seed": args.seed,
+        "micro_batch_size": micro_batch,
+    }
+
+
 def run_config(
     w: Workload, mode: str, args: argparse.Namespace, run_dir: str, over_admit: float | None = None
 ) -> dict[str, Any]:
@@ -235,23 +263,13 @@ def run_config(
         "name": f"{w.name}-{mode}-over{over_admit}",
         "mode": mode,
         "workflow": "unified.testing:BanditWorkflow",
-        "trainer": {
-            "total_steps": args.steps,
-            "batch_size": w.batch,
-            "group_size": w.group,
-            "lr": 0.01,
-            "eval_every": 0,
-            "eval_before_train": False,
-            "save_every": 0,
-            "filter_groups": False,  # every group trains: no refills blur the bound
-            "seed": args.seed,
-            "micro_batch_size": w.micro_batch,
-        },
+        "trainer": trainer_section(args, w.batch, w.group, w.micro_batch),
         "async": {
             "max_staleness": w.max_staleness,
             "sync_every": w.sync_every,
             "max_concurrency": w.max_concurrency,
-            **({} if over_admit is None else {"over_admit": over_admit}),
+            # An over-admission allowance is the strict rule's (the default requeues nothing).
+            **({} if over_admit is None else {"strict_staleness": True, "over_admit": over_admit}),
         },
         "logging": {"run_dir": run_dir, "console": False},
     }
@@ -283,6 +301,78 @@ def measure(
     }
 
 
+ENGINE_MODES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "snapshot": {"partial_rollout": False},
+    "strict": {"strict_staleness": True, "partial_rollout": False},
+}
+"""The async modes `--sampler` compares: `async:` keys over the workload's own."""
+
+
+def measure_engine(w: EngineWorkload, mode: str, args: argparse.Namespace, run_dir: str) -> dict:
+    """One async run of `w` in `mode` (`ENGINE_MODES`); the engine's own books."""
+    backend = EngineBackend(w)
+    config = {
+        "name": f"{w.name}-{mode}",
+        "mode": "async",
+        "workflow": "unified.testing:BanditWorkflow",
+        "trainer": trainer_section(args, w.batch, w.group, micro_batch=1),
+        "async": {"max_staleness": w.max_staleness, "max_concurrency": 4 * w.slots}
+        | ENGINE_MODES[mode],
+        "sampling": {"train": {"max_tokens": w.max_tokens}},
+        "logging": {"run_dir": run_dir, "console": False},
+    }
+    started = time.monotonic()
+    trainer = UnifiedTrainer(config, backend=backend, train_tasks=bandit_tasks(512, target=1))
+    result = trainer.fit()
+    wall_s = time.monotonic() - started
+    times = backend.step_times
+    step_s = (times[-1] - times[0]) / (len(times) - 1)
+    trained = sum(backend.trained_lengths)
+    lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    bound_s = max(statistics.fmean(m["time/train"] for m in lines[1:]), w.generation_s())
+    return {
+        "of_physical_bound": bound_s / step_s,
+        "step_s": step_s,
+        "bound_s": bound_s,
+        "decoded_per_trained": backend.decoded / trained,
+        "trained_over_generated_length": statistics.fmean(backend.trained_lengths)
+        / statistics.fmean(backend.finished_lengths),
+        "lag_mean": sum(k * n for k, n in backend.trained_lags.items()) / trained,
+        "lag_p99": backend.lag(0.99),
+        "lag_max": float(max(backend.trained_lags)),
+        "engine_idle": max(0.0, 1.0 - backend.busy_s / (w.slots * wall_s)),
+        "requeued": sum(m["groups/requeued"] for m in lines),
+    }
+
+
+def main_sampler(args: argparse.Namespace) -> None:
+    """The sampler-latency workloads, each in every `ENGINE_MODES` mode."""
+    staleness = (args.staleness,) if args.staleness is not None else (1, 2)
+    workloads = [w for w in engine_workloads(staleness) if args.only is None or w.name in args.only]
+    report: dict[str, Any] = {}
+    print(
+        "workload | mode | of bound | decoded/trained | trained/generated length | "
+        "token lag mean/p99/max | engine idle | requeued"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in workloads:
+            for mode in ENGINE_MODES:
+                r = measure_engine(w, mode, args, tmp)
+                report[f"{w.name}/{mode}"] = r
+                print(
+                    f"{w.name} | {mode} | {r['of_physical_bound']:.2f} | "
+                    f"{r['decoded_per_trained']:.2f} | {r['trained_over_generated_length']:.2f} | "
+                    f"{r['lag_mean']:.2f}/{r['lag_p99']:.0f}/{r['lag_max']:.0f} | "
+                    f"{r['engine_idle']:.0%} | {r['requeued']:.0f}",
+                    flush=True,
+                )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        settings = {w.name: asdict(w) for w in workloads}
+        args.json.write_text(json.dumps({**report, "workloads": settings}, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -292,7 +382,13 @@ def main() -> None:
     parser.add_argument("--over-admit", type=float, help="async.over_admit (default: config's)")
     parser.add_argument("--only", nargs="+", help="run these workloads only (by name)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--sampler", action="store_true", help="the workloads whose latency sits in the sampler"
+    )
     args = parser.parse_args()
+    if args.sampler:
+        main_sampler(args)
+        return
     workloads = [
         replace(
             w,

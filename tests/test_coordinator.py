@@ -18,10 +18,11 @@ from unified.testing import bandit_tasks
 from unified.types import Episode, ModelOutput, Step, Trajectory
 
 
-def coordinator(**kw: int) -> SyncCoordinator:
+def coordinator(*, strict: bool = True, **kw: int) -> SyncCoordinator:
+    """The strict rule unless `strict=False` (admission by count)."""
     args = {"batch_size": 2, "sync_every": 1, "max_staleness": 1}
     args.update(kw)
-    return SyncCoordinator(**args)
+    return SyncCoordinator(strict=strict, **args)
 
 
 def buffer(
@@ -241,7 +242,11 @@ def test_a_group_that_misses_its_deadline_is_requeued_and_its_task_dispatched_ag
     assert item is not None and item[0] == fast, "the first group ready trains"
     groups.open_window(1)
     assert c.alive == 0, "the straggler's slot is free"
-    assert groups.take_discarded() == {"episodes/discarded": 1.0, "episodes/cancelled": 1.0}
+    assert groups.take_discarded() == {
+        "episodes/discarded": 1.0,
+        "episodes/cancelled": 1.0,
+        "tokens/discarded": 1.0,
+    }
     assert groups.in_flight()[-1] == (task.id, None), "its task waits, for a new number"
     assert not groups.generating(straggler), "its episodes still running are cut, not added"
     again, again_task = groups.dispatch()
@@ -262,7 +267,8 @@ def test_groups_alive_when_the_run_ends_are_requeued_with_a_ledger_line_each() -
     groups.add_episode(running, episode(0, reward=1.0))
     groups.end_run()
     assert c.alive == 0 and not groups.generating(running), "both end, the running one is cut"
-    assert groups.take_discarded() == {"episodes/discarded": 3.0, "episodes/cancelled": 1.0}
+    assert set(groups.take_discarded().values()) == {0.0}, "work in flight at the end is not late"
+    assert groups.in_flight_at_end == {"episodes": 3.0, "tokens": 3.0}
     ended = asyncio.run(groups.write_ended(step=5))
     assert [(e.ticket, e.outcome) for e in ended] == [(running, "requeued"), (ready, "requeued")]
     assert all(RUN_ENDED in line.reason for line in lines), [line.reason for line in lines]
@@ -386,3 +392,22 @@ async def test_dispatch_rate_spaces_workflow_starts() -> None:
             tg.create_task(workflow())
     elapsed = starts[-1] - starts[0]
     assert elapsed >= (len(starts) - 1) / rate * 0.9, f"6 starts took only {elapsed:.3f} s"
+
+
+def test_counting_a_group_holds_one_slot_until_its_deadline_then_its_running_share() -> None:
+    c = coordinator(strict=False, max_staleness=1, batch_size=1)  # capacity 2
+    groups = buffer(c, [], group_size=2)
+    straggler, _ = groups.dispatch()
+    groups.add_episode(straggler, episode(0, reward=1.0))  # one of its two episodes is done
+    assert groups.pending == 0.5, "nothing ready (the trainer waits): its running share only"
+    ready, _ = groups.dispatch()
+    for index in range(2):
+        groups.add_episode(ready, episode(index, reward=float(index)))
+    assert groups.pending == 2.0, "with a group ready, an on-time group holds a whole slot"
+    assert not groups.can_admit(max_concurrency=64), "two groups fill a capacity of two"
+    c.open_window(1)
+    c.open_window(2)  # the straggler's deadline (0 + 1) has passed
+    assert not c.expired(straggler.version), "counting requeues nothing"
+    assert groups.pending == 1.0 + 0.5, "a late group holds only its running episodes' share"
+    assert groups.can_admit(max_concurrency=64), "so the engine gets new work"
+    assert groups.generating(straggler), "and the straggler still runs, to train later"

@@ -26,6 +26,7 @@ from unified.protocol import (
     BackendCapabilities,
     check_capabilities,
     create_backend,
+    resolve_partial_rollout,
     resolve_tis_cap,
 )
 from unified.rollout import SamplingEngine
@@ -589,6 +590,17 @@ def test_tis_cap_auto_is_on_in_async_mode_for_backends_that_honour_it() -> None:
     assert resolve_tis_cap(async_config(trainer={"tis_cap": None}), local) is None
     assert resolve_tis_cap(local_config(tis_cap=3), local) == 3.0, "explicit applies in sync too"
     assert resolve_tis_cap(async_config(), BackendCapabilities()) is None, "auto: off elsewhere"
+
+
+@pytest.mark.parametrize(("spec", "on"), [("local", True), ("verl", True), ("tinker", False)])
+def test_partial_rollouts_are_on_by_default_in_async_mode_where_the_backend_can(
+    spec: str, on: bool
+) -> None:
+    caps = create_backend(spec).capabilities
+    assert resolve_partial_rollout(async_config(), caps) is on
+    assert resolve_partial_rollout(local_config(), caps) is False, "sync: nothing spans a sync"
+    off = async_config(**{"async": {"partial_rollout": False}})
+    assert resolve_partial_rollout(off, caps) is False, "an explicit choice stands"
 
 
 @pytest.mark.parametrize("spec", ["tinker", "verl"])

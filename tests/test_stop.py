@@ -22,7 +22,7 @@ from tests.conftest import ConfigFactory
 from tests.stopping import InterruptingWorkflow
 from unified import UnifiedTrainer
 from unified.checkpoint import RunDirectory
-from unified.protocol import RunStatus
+from unified.protocol import BackendCapabilities, RunStatus
 from unified.testing import BanditBackend, bandit_tasks
 from unified.trainer import TrainingInterrupted
 
@@ -242,3 +242,27 @@ def test_a_signal_during_the_shutdown_says_the_run_is_already_over(
     assert result.steps == 2, "training was over: the run completes"
     err = capsys.readouterr().err
     assert "training is over and the run is shutting down" in err and "gets" not in err, err
+
+
+def test_a_run_with_requests_across_syncs_resumes_with_every_group_ended_once(
+    make_config: ConfigFactory,
+) -> None:
+    """The default async mode with partial rollouts: requests span syncs when the signal comes;
+    the resumed run trains each group exactly once, and what an uninterrupted run trains."""
+    config = {
+        **run_config(make_config, "spanning", save_every=2, stop_grace_s=0.5, total_steps=6),
+        "mode": "async",
+        "async": {"max_staleness": 1},
+    }
+    partial = BackendCapabilities(partial_rollout=True)
+    full = fit({**config, "name": "spanning-full"}, backend=BanditBackend(capabilities=partial))
+    stops = InterruptingWorkflow(at=3 * EPISODES_PER_STEP, signal_number=signal.SIGINT)
+    with pytest.raises(TrainingInterrupted):
+        fit(config, stops, backend=BanditBackend(capabilities=partial))
+    resumed = fit({**config, "resume": True}, backend=BanditBackend(capabilities=partial))
+    assert resumed.steps == 6
+    run = RunDirectory(resumed.run_dir)
+    assert logged_steps(run.path) == list(range(1, 7)), "steps continue, none twice"
+    check = check_run({**config, "resume": True})
+    assert not check.problems, check.problems
+    assert sorted(trained(run.path)) == sorted(trained(full.run_dir))

@@ -135,9 +135,9 @@ def countdown_on_two_workers(make_config: ConfigFactory) -> dict[str, Any]:
         },
         sampling={"train": {"max_tokens": 6}},
         rollout={"workers": 2, "worker_cpus": 0.5},
-        # No over-admission: the trainer waits for every group it admits, so each one trains
-        # (none is left requeued at the end) and a held call holds its step.
-        async_={"over_admit": 0.0},
+        # The strict rule without over-admission: the trainer waits for every group it admits,
+        # so each one trains (none is left requeued at the end) and a held call holds its step.
+        async_={"strict_staleness": True, "over_admit": 0.0},
     )
 
 

@@ -119,7 +119,7 @@ def _train(config_path: str, overrides: Sequence[str], *, dry_run: bool) -> int:
     trainer = UnifiedTrainer(config)
     if dry_run:
         cap = resolve_tis_cap(config, trainer.backend.capabilities)
-        print(_resolved_yaml(config, trainer.backend), end="")
+        print(_resolved_yaml(trainer.config, trainer.backend), end="")
         print(
             f"# checks passed: backend {config.backend!r} honours every knob; workflow "
             f"{config.workflow!r} imports; {len(trainer.train_tasks)} train and "

@@ -224,28 +224,61 @@ class AsyncConfig(_Section):
     """`async:` — the fully-async loop: staleness bound, weight-sync cadence, concurrency."""
 
     max_staleness: int = Field(
-        1, ge=0, description="Most policy versions a trained group may lag behind the weights."
+        1,
+        ge=0,
+        description="How far generation runs ahead of training, in windows of sync_every steps: "
+        "a group is admitted only while the groups admitted and not yet trained fit in the "
+        "next 1 + max_staleness windows (a straggler past that, and any group while none is "
+        "ready, holds only its running episodes). Nothing is thrown away for being late; each token keeps the version it "
+        "was sampled under (metrics lag/token_*). With strict_staleness: the most versions a "
+        "trained group may lag behind the weights.",
+    )
+    strict_staleness: bool = Field(
+        False,
+        description="A hard per-group bound instead: a group whose oldest token would train "
+        "more than max_staleness versions late goes back to the task queue (ledger: requeued), "
+        "its generation thrown away; since slow means long, that favours short episodes "
+        "(metrics tokens/discarded, length/trained_over_generated).",
     )
     sync_every: int = Field(
         1, ge=1, description="Optimizer steps between weight syncs (both modes)."
     )
-    partial_rollout: bool = Field(
-        False, description="Keep requests running across a weight sync instead of draining."
+    partial_rollout: bool | None = Field(
+        None,
+        description="Keep requests running across a weight sync, each token stamped with the "
+        "version that sampled it, instead of finishing them on the old weights. null: on in "
+        "async mode where the backend can (local, verl), off elsewhere (tinker's requests "
+        "finish on the snapshot they started on).",
     )
     max_concurrency: int = Field(64, ge=1, description="Most workflows running at once.")
-    over_admit: float = Field(
-        2.0,
+    over_admit: float | None = Field(
+        None,
         ge=0,
-        description="While workflow slots are free, admit up to this share of a window's groups "
-        "beyond what max_staleness holds (the allowance doubles while the trainer waits on "
-        "stragglers, and shrinks while groups are thrown away and it never waits); the trainer "
-        "then trains the first groups ready and gives a straggler that misses its deadline back "
-        "to the task queue (ledger: requeued). 0: admit only what the bound holds, and wait "
-        "for stragglers.",
+        description="With strict_staleness only (null there: 2): while workflow slots are free, "
+        "admit up to this share of a window's groups beyond what max_staleness holds (the "
+        "allowance doubles while the trainer waits on stragglers, and shrinks while groups are "
+        "thrown away and it never waits); the trainer then trains the first groups ready and "
+        "gives a straggler that misses its deadline back to the task queue. 0: admit only what "
+        "the bound holds, and wait for stragglers.",
     )
     dispatch_rate: float | None = Field(
         None, gt=0, description="Most workflow starts per second (e.g. a remote API's limit)."
     )
+
+    @model_validator(mode="after")
+    def _over_admit_needs_strict(self) -> AsyncConfig:
+        if self.over_admit is not None and not self.strict_staleness:
+            raise ValueError(
+                f"async.over_admit ({self.over_admit:g}) applies only with "
+                "async.strict_staleness=true (by default nothing is thrown away, so nothing is "
+                "admitted beyond the bound); remove it or set async.strict_staleness=true"
+            )
+        return self
+
+    @property
+    def resolved_over_admit(self) -> float:
+        """`over_admit`, its default (2) filled in: what the strict rule admits beyond it."""
+        return 2.0 if self.over_admit is None else self.over_admit
 
 
 class RolloutConfig(_Section):
@@ -530,6 +563,9 @@ def _explain(error: ValidationError) -> str:
             lines.append(f"unknown config key {loc!r}; valid keys here: {valid}")
         elif err["type"] == "missing":
             lines.append(f"config key {loc!r} is required")
+        elif err["type"] == "value_error" and isinstance(err.get("input"), dict):
+            # A check across keys of a section (or of the whole config): its message names them.
+            lines.append(str(err["msg"]).removeprefix("Value error, "))
         else:
             got = err.get("input")
             shown = f", got {got!r}" if not isinstance(got, dict | list) else ""

@@ -1,28 +1,41 @@
 """SyncCoordinator: the policy version and the admission arithmetic that bounds staleness.
 
-Staleness is a hard per-group guarantee, not a count. A group dispatched at version `p` must be
-trained while the weights are at most version `p + max_staleness` (its deadline). Each window of
-`sync_every` optimizer steps trains `sync_every * batch_size` groups (its slots). A group is
-admitted only while every deadline stays feasible, which works out to
-`alive + taken < (1 + max_staleness) * slots` (alive: admitted, not yet taken or ended); a ready
-group is taken only while the groups with earlier deadlines still fit in the slots left
-(`may_take`). A group that ends untrained is `release`d and frees its slot at once.
+Two rules, one per `async.strict_staleness`:
 
-Over-admission (async mode): while generation has spare capacity, up to `extra` groups more
-than the deadlines can hold are admitted. That many groups will miss their deadline anyway, so
-`may_take` lets the trainer pass over as many unfinished groups with earlier deadlines, and the
-groups whose deadline has passed when a window opens are `expired`: the buffer gives their tasks
-back to the queue. `extra` adapts between 0 and `max_extra`: it doubles (from one) each time the
-trainer waits while a group is still generating and its window has room (`note_blocked`), and
-loses one after `1 + max_staleness` windows in a row that threw away groups that were ready
-while the trainer never waited (`note_wasted`): a wait costs the trainer's time, a wasted group
-only spare generation. The run's last groups get the allowance too (`wanted`), so the last
-step need not wait on its slowest group. With `max_extra=0` (always in sync mode) no group
-ever expires.
+- **Admission by count** (the default; AReaL's rule). Generation runs at most `max_staleness`
+  windows ahead of training: a group is admitted only while the groups admitted and not yet
+  trained fit in the next `1 + max_staleness` windows, `pending + taken < (1 + max_staleness) *
+  slots` (pending: the groups generating or ready; taken: trained in this window). A group
+  trained in admission order is then never more than `max_staleness` versions behind. A
+  group still generating counts only its running episodes (over `group_size`) once its
+  deadline (`version + max_staleness`) has passed, a straggler, or while no group is ready (the
+  trainer waits on generation): finished episodes waiting on their group's slowest one would
+  otherwise keep the engine from new work. Nothing expires: every group trains, oldest first, however
+  long its slowest episode took; what that costs in freshness is measured per token
+  (`lag/token_*`), not bounded.
+- **The hard per-group bound** (`strict_staleness: true`). A group dispatched at version `p`
+  must be trained while the weights are at most version `p + max_staleness` (its deadline).
+  Each window of `sync_every` optimizer steps trains `sync_every * batch_size` groups (its
+  slots). A group is admitted only while every deadline stays feasible,
+  `alive + taken < (1 + max_staleness) * slots` (alive: admitted, not yet taken or ended); a
+  ready group is taken only while the groups with earlier deadlines still fit in the slots left
+  (`may_take`). A group that ends untrained is `release`d and frees its slot at once.
 
-It also decides when the weights sync (`after_step`): every `sync_every` optimizer steps, in
-both modes. Pure arithmetic: no waiting, no clocks, no tasks. `TrajectoryGroupBuffer` is its one
-caller.
+  Over-admission (async mode, strict rule only): while generation has spare capacity, up to
+  `extra` groups more than the deadlines can hold are admitted. That many groups will miss their
+  deadline anyway, so `may_take` lets the trainer pass over as many unfinished groups with
+  earlier deadlines, and the groups whose deadline has passed when a window opens are
+  `expired`: the buffer gives their tasks back to the queue. `extra` adapts between 0 and
+  `max_extra`: it doubles (from one) each time the trainer waits while a group is still
+  generating and its window has room (`note_blocked`), and loses one after `1 + max_staleness`
+  windows in a row that threw away groups that were ready while the trainer never waited
+  (`note_wasted`): a wait costs the trainer's time, a wasted group only spare generation. With
+  `max_extra=0` (always in sync mode) no group ever expires.
+
+Both rules give the run's last groups an allowance (`wanted`), so the last step need not wait
+on its slowest group. The coordinator also decides when the weights sync (`after_step`): every
+`sync_every` optimizer steps, in both modes. Pure arithmetic: no waiting, no clocks, no tasks.
+`TrajectoryGroupBuffer` is its one caller.
 """
 
 from __future__ import annotations
@@ -46,10 +59,14 @@ class SyncCoordinator:
         batch_size: int,
         sync_every: int,
         max_staleness: int,
+        strict: bool,
         max_extra: int = 0,
         steps_per_window: int | None = None,
     ) -> None:
+        if max_extra and not strict:
+            raise ValueError("over-admission (max_extra) belongs to the strict rule only")
         self.version = 0
+        self.strict = strict
         self.batch_size = batch_size
         self.max_staleness = max_staleness
         self.sync_every = sync_every
@@ -58,6 +75,10 @@ class SyncCoordinator:
         self.capacity = (1 + max_staleness) * self.slots_per_window
         self.max_extra = max_extra
         self.extra = 0
+        # Counting admits as many groups beyond the run's last ones as one window trains: they
+        # are the final checkpoint's work in flight, and the last step need not wait on its
+        # slowest group.
+        self.end_extra = 0 if strict else self.slots_per_window
         self._blocked = False  # the trainer waited on a generating group in this window
         self._calm_windows = 0  # windows in a row that wasted groups while the trainer never waited
         self.taken = 0
@@ -79,14 +100,23 @@ class SyncCoordinator:
                 batch_size=trainer.batch_size,
                 sync_every=async_.sync_every,
                 max_staleness=0,
+                strict=True,
                 steps_per_window=1,
+            )
+        if not async_.strict_staleness:
+            return cls(
+                batch_size=trainer.batch_size,
+                sync_every=async_.sync_every,
+                max_staleness=async_.max_staleness,
+                strict=False,
             )
         slots = async_.sync_every * trainer.batch_size
         return cls(
             batch_size=trainer.batch_size,
             sync_every=async_.sync_every,
             max_staleness=async_.max_staleness,
-            max_extra=math.ceil(async_.over_admit * slots),
+            strict=True,
+            max_extra=math.ceil(async_.resolved_over_admit * slots),
         )
 
     @property
@@ -97,16 +127,26 @@ class SyncCoordinator:
     @property
     def surplus(self) -> int:
         """Groups admitted beyond what the deadlines can hold: that many will expire."""
+        if not self.strict:
+            return 0
         return max(0, self._alive_total + self.taken - self.capacity)
 
-    def can_admit(self, *, spare: bool = False) -> bool:
-        """Whether one more group may be dispatched now (staleness and run length allow it);
-        `spare`: generation has idle capacity, so up to `extra` more groups may go out."""
-        # At staleness 0 a group admitted into a full window can never train: no extra then.
-        full = self.max_staleness == 0 and self.taken >= self.slots_per_window
-        extra = self.extra if spare and not full else 0
-        if self._alive_total + self.taken >= self.capacity + extra:
-            return False
+    def can_admit(self, *, spare: bool = False, pending: float = 0.0) -> bool:
+        """Whether one more group may be dispatched now (staleness and run length allow it).
+
+        Counting: `pending` is the work admitted and not yet taken, in groups (the buffer's
+        `pending`). Strict: `spare` says generation has idle capacity, so up to `extra` more
+        groups may go out."""
+        if not self.strict:
+            if pending + self.taken >= self.capacity:
+                return False
+            extra = self.end_extra
+        else:
+            # At staleness 0 a group admitted into a full window can never train: no extra then.
+            full = self.max_staleness == 0 and self.taken >= self.slots_per_window
+            extra = self.extra if spare and not full else 0
+            if self._alive_total + self.taken >= self.capacity + extra:
+                return False
         if self.wanted is None:
             return True
         # As many groups beyond the run's last ones as will expire anyway (none after a stop):
@@ -133,6 +173,8 @@ class SyncCoordinator:
     def may_take(self, version: int) -> bool:
         """Whether a ready group of `version` may be trained now without starving earlier ones."""
         s, slots = self.max_staleness, self.slots_per_window
+        if not self.strict:  # no deadlines: the oldest ready group, while the window has room
+            return self.taken < slots
         if version + s < self.version:
             raise AssertionError(
                 f"group of version {version} is {self.version - version} versions stale "
@@ -191,8 +233,9 @@ class SyncCoordinator:
         self._blocked = False
 
     def expired(self, version: int) -> bool:
-        """Whether a group dispatched at `version` can no longer train within its deadline."""
-        return version + self.max_staleness < self.version
+        """Whether a group dispatched at `version` can no longer train within its deadline
+        (never, when counting: every group trains)."""
+        return self.strict and version + self.max_staleness < self.version
 
     def restore(self, version: int, *, taken: int) -> None:
         """Resume: weights of `version` are visible and `taken` groups trained in this window."""

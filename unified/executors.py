@@ -15,19 +15,29 @@ from contextlib import contextmanager
 from unified.config import TrainerConfig
 from unified.errors import UsageError
 from unified.protocol import BackendProtocol
-from unified.rollout import InProcessRollouts, RolloutExecutor, WorkflowDeadlines, WorkflowFn
+from unified.rollout import (
+    EngineClock,
+    InProcessRollouts,
+    RolloutExecutor,
+    WorkflowDeadlines,
+    WorkflowFn,
+)
 
 __all__ = ["fewer_young_collections", "rollout_executor"]
 
 
 def rollout_executor(
-    config: TrainerConfig, workflow: WorkflowFn, backend: BackendProtocol
+    config: TrainerConfig,
+    workflow: WorkflowFn,
+    backend: BackendProtocol,
+    clock: EngineClock | None = None,
 ) -> RolloutExecutor:
-    """The executor `rollout.workers` asks for: in process (0), or on that many Ray workers."""
+    """The executor `rollout.workers` asks for: in process (0), or on that many Ray workers;
+    each sampling request runs under `clock`."""
     sampling = config.sampling.train
     if config.rollout.workers == 0:
         deadlines = WorkflowDeadlines(config.trainer.workflow_timeout_s)
-        return InProcessRollouts(workflow, backend.token_sampler, sampling, deadlines)
+        return InProcessRollouts(workflow, backend.token_sampler, sampling, deadlines, clock)
     try:
         from unified.workers import WorkerPool  # imports Ray, only when asked for
     except ImportError as e:
@@ -36,7 +46,7 @@ def rollout_executor(
             "(pip install 'unified[verl]' brings it) or set rollout.workers=0"
         ) from e
 
-    return WorkerPool(config, workflow, backend, sampling)
+    return WorkerPool(config, workflow, backend, sampling, clock)
 
 
 _YOUNG_COLLECTION_EVERY = 50_000

@@ -3,9 +3,10 @@
 A group is dispatched (admitted by the coordinator's arithmetic, given a task and a ticket),
 collects its `group_size` episodes in any order, then ends exactly once: *failed* (fewer than two
 usable episodes), *filtered* (all rewards equal: no learning signal) or *ready* (advantages
-computed), and a ready group later ends *trained*. With over-admission a group whose deadline
-passes before it trains ends *requeued*: its running episodes are cancelled and its task goes
-back to the queue under a new sequence number. The buffer frees the admission slot of every
+computed), and a ready group later ends *trained*. Under the strict staleness rule a group
+whose deadline passes before it trains ends *requeued*: its running episodes are cancelled and
+its task goes back to the queue under a new sequence number; by default nothing is requeued
+before the run's end. The buffer frees the admission slot of every
 group that ends untrained, writes every group's ledger line, and knows which tasks are in flight
 for a checkpoint. Every state change wakes the waiters, and every wait has a deadline.
 """
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 
 RUN_ENDED = "was still alive when the run ended"
 """In the ledger reason of a group requeued after the run's last step (`end_run`)."""
+
+_DISCARDED = ("episodes/discarded", "episodes/cancelled", "tokens/discarded")
 
 
 @dataclass(frozen=True, order=True)
@@ -88,7 +91,7 @@ class TrajectoryGroupBuffer:
         self.failed_in_a_row = 0  # of those, the groups that failed (the rest were filtered)
         self.last_unproductive_reason = ""
         # Generation thrown away by requeued groups, since the last `take_discarded`.
-        self._discarded = {"episodes/discarded": 0.0, "episodes/cancelled": 0.0}
+        self._discarded = dict.fromkeys(_DISCARDED, 0.0)
         self._sampler = tasks
         self._ledger = ledger
         # Tasks to dispatch before new ones, with their sequence number (None: a new one).
@@ -104,6 +107,9 @@ class TrajectoryGroupBuffer:
         self._changes = Changes(stall_timeout_s, self.describe)
         self._idle_since: float | None = time.monotonic()
         self._idle_s = 0.0
+        self.in_flight_at_end = {"episodes": 0.0, "tokens": 0.0}
+        """Finished episodes (and their tokens) of the groups still alive when the run ended:
+        their tasks are the final checkpoint's groups in flight, dispatched first on resume."""
 
     @classmethod
     def for_config(
@@ -139,9 +145,27 @@ class TrajectoryGroupBuffer:
 
     def can_admit(self, max_concurrency: int) -> bool:
         """Whether one more group may be dispatched now; while a whole group would find free
-        workflow slots (of `max_concurrency`), the coordinator may admit beyond the bound."""
+        workflow slots (of `max_concurrency`), the strict rule may admit beyond the bound."""
         spare = self.episodes_running + self.group_size <= max_concurrency
-        return self.coordinator.can_admit(spare=spare)
+        return self.coordinator.can_admit(spare=spare, pending=self.pending)
+
+    @property
+    def pending(self) -> float:
+        """Work admitted and not yet taken, in groups, as admission by count bounds it: a ready
+        group counts one, and so does a group still generating, but for its running episodes'
+        share only (`running / group_size`) once it is late (its deadline has passed) or while
+        no group is ready (the trainer waits on generation: finished episodes that wait on
+        their group's slowest ones then only keep the engine from new work)."""
+        c = self.coordinator
+        starved = not self._ready
+        pending = float(len(self._ready))
+        for ticket, _ in self._rollouts.values():
+            if starved or ticket.version + c.max_staleness < c.version:
+                running = self.group_size - len(self._episodes[ticket.group_id])
+                pending += running / self.group_size
+            else:
+                pending += 1.0
+        return pending
 
     def dispatch(self) -> tuple[GroupTicket, Task]:
         """Admit one group (call only when `can_admit(...)`); return it and its task."""
@@ -196,27 +220,41 @@ class TrajectoryGroupBuffer:
 
     def end_run(self) -> None:
         """The run trained its last step: the groups still alive, admitted beyond what it
-        needed, end requeued; a resumed run dispatches their tasks first."""
-        self._requeue_where(lambda version: True, RUN_ENDED)
+        needed, end requeued; a resumed run dispatches their tasks first. Their generation is
+        the final checkpoint's work in flight (`in_flight_at_end`), not thrown away as late."""
+        self._requeue_where(lambda version: True, RUN_ENDED, late=False)
 
-    def _requeue_where(self, requeued: Callable[[int], bool], why: str) -> int:
+    def _requeue_where(
+        self, requeued: Callable[[int], bool], why: str, *, late: bool = True
+    ) -> int:
         """Requeue the groups whose dispatch version is `requeued`; return how many were ready."""
         for ticket, rollouts in [r for r in self._rollouts.values() if requeued(r[0].version)]:
             for rollout in rollouts:
                 rollout.cancel()
-            self._requeue(ticket, why, finished=len(self._episodes[ticket.group_id]))
+            episodes = self._episodes[ticket.group_id]
+            self._requeue(ticket, why, episodes, late=late)
         ready = 0
         while self._ready and requeued(self._ready[0][0].version):  # a heap: oldest first
-            self._requeue(heapq.heappop(self._ready)[0], why, finished=self.group_size)
+            ticket, group = heapq.heappop(self._ready)
+            self._requeue(ticket, why, group.episodes, late=late)
             ready += 1
         return ready
 
-    def _requeue(self, ticket: GroupTicket, why: str, *, finished: int) -> None:
+    def _requeue(
+        self, ticket: GroupTicket, why: str, episodes: Sequence[Episode], *, late: bool
+    ) -> None:
         self.coordinator.release(ticket.version)
         task, _ = self._tasks.pop(ticket.group_id)
         self._redispatch.append((task, None))
-        self._discarded["episodes/discarded"] += finished
-        self._discarded["episodes/cancelled"] += self.group_size - finished
+        finished = len(episodes) if ticket.group_id in self._episodes else self.group_size
+        tokens = float(sum(e.completion_tokens for e in episodes))
+        if late:
+            self._discarded["episodes/discarded"] += finished
+            self._discarded["episodes/cancelled"] += self.group_size - finished
+            self._discarded["tokens/discarded"] += tokens
+        else:
+            self.in_flight_at_end["episodes"] += finished
+            self.in_flight_at_end["tokens"] += tokens
         if ticket.group_id in self._episodes:  # still generating: its unfinished ones are cut
             self._stop_generating(ticket.group_id)
             self.episodes_running -= self.group_size - finished
@@ -227,8 +265,9 @@ class TrajectoryGroupBuffer:
         self._ended.append(EndedGroup(ticket, "requeued", ticket.version, reason, ()))
 
     def take_discarded(self) -> dict[str, float]:
-        """Episodes of requeued groups since the last call: finished and thrown away
-        (`episodes/discarded`), or cancelled while running (`episodes/cancelled`)."""
+        """Generation of groups requeued as late since the last call: episodes finished and
+        thrown away (`episodes/discarded`) with their tokens (`tokens/discarded`), or cancelled
+        while running (`episodes/cancelled`)."""
         discarded = dict(self._discarded)
         self._discarded = dict.fromkeys(discarded, 0.0)
         return discarded
@@ -242,7 +281,9 @@ class TrajectoryGroupBuffer:
         episodes.append(episode)
         if len(episodes) < self.group_size:
             c = self.coordinator
-            if c.can_admit(spare=True) and not c.can_admit():
+            if not c.strict and c.can_admit(pending=self.pending):
+                self._notify()  # a finished episode frees capacity: the dispatcher may admit
+            elif c.strict and c.can_admit(spare=True) and not c.can_admit():
                 self._notify()  # a slot freed: the dispatcher may admit beyond the bound
             else:
                 self._changes.progressed()  # progress for the stall clock, short of a change

@@ -26,7 +26,7 @@ from unified.executors import fewer_young_collections, rollout_executor
 from unified.groups import GroupTicket, TrajectoryGroupBuffer
 from unified.metrics import MetricsAggregator
 from unified.recorder import StepRecorder
-from unified.rollout import WorkflowFn, WorkflowSlots, episode_seed
+from unified.rollout import EngineClock, WorkflowFn, WorkflowSlots, episode_seed
 from unified.schedule import EntropyControl, learning_rate
 from unified.session import BackendSession
 from unified.stopping import GracefulStop, StepAbandoned, no_signal_message
@@ -58,7 +58,8 @@ class TrainingLoop:
         self.train_tasks = train_tasks
         self.eval_tasks = eval_tasks
         self.run_dir = run
-        self.rollouts = rollout_executor(config, workflow, backend)  # may refuse: first
+        self.engine_clock = EngineClock()
+        self.rollouts = rollout_executor(config, workflow, backend, self.engine_clock)  # may refuse
         self.groups = TrajectoryGroupBuffer.for_config(config, train_tasks, run.append_ledger)
         self.recorder = StepRecorder(config, metrics)  # starts the metrics writer thread
         self.slots = WorkflowSlots.for_config(config)
@@ -104,6 +105,7 @@ class TrainingLoop:
         self._want_groups()
         self.recorder.start_clocks()
         self.groups.take_idle_seconds()
+        self.engine_clock.take_idle_seconds()
 
     async def run(self) -> None:
         """Train until `total_steps` (or `max_time_s`, or a stop), the dispatcher alongside;
@@ -220,7 +222,14 @@ class TrainingLoop:
         # Decided once per step, so the final eval and save see the same answer as the loop.
         self._time_up = self.recorder.time_up()
         metrics = self.recorder.step_metrics(
-            self.step, items, self.groups, trained_at, wait_s=wait_s, train_s=train_s, sync_s=sync_s
+            self.step,
+            items,
+            self.groups,
+            trained_at,
+            wait_s=wait_s,
+            train_s=train_s,
+            sync_s=sync_s,
+            engine_idle_s=self.engine_clock.take_idle_seconds(),
         )
         if self.entropy.adaptive:  # the coefficient this step trained with, then the next one
             metrics["train/entropy_coef"] = self.entropy.coef

@@ -58,6 +58,13 @@ METRIC_NAMES: tuple[str, ...] = (
     "groups/requeued",
     "episodes/discarded",
     "episodes/cancelled",
+    "tokens/generated",
+    "tokens/trained",
+    "tokens/discarded",
+    "length/trained_over_generated",
+    "lag/token_mean",
+    "lag/token_p99",
+    "lag/token_max",
     "train/skipped_steps",
     "time/step",
     "time/generate",
@@ -66,6 +73,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "throughput/tokens_per_s",
     "trainer/idle_ratio",
     "rollout/idle_ratio",
+    "rollout/engine_idle_ratio",
     "eval/accuracy",
 )
 
@@ -114,7 +122,7 @@ def _std(values: list[float]) -> float:
 
 def _reduction(key: str) -> Callable[[list[float]], float]:
     """How `key` reduces, read from its name: counts add, extremes stay extreme, rest average."""
-    if key.startswith(("groups/", "episodes/")) or key.endswith(("/count", "/tokens")):
+    if key.startswith(("groups/", "episodes/", "tokens/")) or key.endswith(("/count", "/tokens")):
         return _SUM
     if key.endswith("/max"):
         return _MAX
@@ -221,7 +229,8 @@ def _duration(seconds: float) -> str:
 
 
 class ConsoleSink:
-    """A live progress line: step, reward, staleness, throughput, eval accuracy, elapsed and ETA.
+    """A live progress line: step, reward, staleness and token lag, the share of tokens thrown
+    away (when any), throughput, eval accuracy, elapsed and ETA.
 
     On a terminal the line is rewritten in place with a carriage return; elsewhere (CI logs, files)
     a step gets its own line at most every `interval_s` seconds, and always with an evaluation and
@@ -283,6 +292,14 @@ class ConsoleSink:
         ]
         if staleness:
             parts.append(f"stale {'/'.join(staleness)}")
+        lag = [
+            _compact(metrics[key]) for key in ("lag/token_mean", "lag/token_max") if key in metrics
+        ]
+        if lag:
+            parts.append(f"token lag {'/'.join(lag)}")
+        generated, discarded = metrics.get("tokens/generated"), metrics.get("tokens/discarded")
+        if generated and discarded:
+            parts.append(f"discarded {discarded / generated:.0%} of tokens")
         if "throughput/tokens_per_s" in metrics:
             parts.append(f"{_compact(metrics['throughput/tokens_per_s'])} tok/s")
         if "eval/accuracy" in metrics:

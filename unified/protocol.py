@@ -37,7 +37,9 @@ __all__ = [
     "backend_class",
     "check_capabilities",
     "create_backend",
+    "resolve_partial_rollout",
     "resolve_tis_cap",
+    "with_partial_rollout",
 ]
 
 ALL_LOSSES = frozenset({"cross_entropy", "importance_sampling", "ppo", "cispo"})
@@ -348,3 +350,20 @@ def resolve_tis_cap(config: TrainerConfig, capabilities: BackendCapabilities) ->
         and config.trainer.loss != "cross_entropy"
     )
     return DEFAULT_TIS_CAP if on else None
+
+
+def resolve_partial_rollout(config: TrainerConfig, capabilities: BackendCapabilities) -> bool:
+    """Whether requests keep running across a weight sync: `async.partial_rollout`, null
+    resolved to on in async mode where the backend can (nothing then waits for the old weights,
+    and a long request's later tokens come from newer ones), off elsewhere."""
+    chosen = config.async_.partial_rollout
+    if chosen is not None:
+        return chosen
+    return config.mode == "async" and capabilities.partial_rollout
+
+
+def with_partial_rollout(config: TrainerConfig, backend: BackendProtocol) -> TrainerConfig:
+    """`config` with `async.partial_rollout` resolved for `backend` (what the run records)."""
+    chosen = resolve_partial_rollout(config, backend.capabilities)
+    async_ = config.async_.model_copy(update={"partial_rollout": chosen})
+    return config.model_copy(update={"async_": async_})

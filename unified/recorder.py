@@ -2,8 +2,10 @@
 
 The loop tells it what happened (an episode finished, groups ended, a backend replied, a step
 trained); it keeps the counters, the failure policies that read them (`trainer.max_error_rate`,
-`trainer.max_bad_steps`), the step's timing and idle ratios, and hands each step's line to the
-sinks on a thread of its own, in step order, off the training path. Every wait on the sinks has
+`trainer.max_bad_steps`), the step's timing and idle ratios, the token accounting (generated,
+trained, discarded; trained over generated length; each trained token's lag behind the weights),
+and hands each step's line to the sinks on a thread of its own, in step order, off the training
+path. Every wait on the sinks has
 the `trainer.stall_timeout_s` deadline.
 """
 
@@ -13,7 +15,7 @@ import asyncio
 import functools
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
@@ -40,6 +42,10 @@ class StepRecorder:
         self._episodes_done = 0
         self._episodes_failed = 0
         self._tokens = 0
+        # Completion tokens and count of the usable episodes generated and trained so far: the
+        # ratio of their means is the length bias of what trains.
+        self._generated_lengths = [0, 0]
+        self._trained_lengths = [0, 0]
         self._loss_finite = True
         self._bad_steps_in_a_row = 0
         self.started_at = self._step_started = self._rates_started = time.monotonic()
@@ -57,6 +63,9 @@ class StepRecorder:
         """A training episode finished: count it, its tokens, its failure and its tool calls."""
         self._tokens += tokens
         self._episodes_done += 1
+        if episode.status == "ok":
+            self._generated_lengths[0] += episode.completion_tokens
+            self._generated_lengths[1] += 1
         if error is not None:
             self._count_failure(episode, error)
         self._record_tool_calls(episode)
@@ -111,10 +120,12 @@ class StepRecorder:
         wait_s: float,
         train_s: float,
         sync_s: float,
+        engine_idle_s: float = 0.0,
     ) -> dict[str, float]:
         """The line of `step`, which trained `items` on the weights of `trained_at` and left
         `groups` at their version; `wait_s` waiting for groups, `train_s` training, `sync_s`
-        syncing. It takes the generation thrown away and the rollouts' idle time from `groups`."""
+        syncing, `engine_idle_s` (since the last step) with no sampling request running. It
+        takes the generation thrown away and the rollouts' idle time from `groups`."""
         version = groups.version
         rollout_idle_s = groups.take_idle_seconds()
         discarded = groups.take_discarded()
@@ -138,6 +149,10 @@ class StepRecorder:
                 **discarded,
                 "staleness/mean": sum(staleness) / len(staleness),
                 "staleness/max": float(max(staleness)),
+                **self._token_accounting(items, trained_at),
+                # After the run's last step: what its still-running groups had finished, which the
+                # final checkpoint keeps as work in flight (their tasks go first on resume).
+                **{f"{k}/in_flight_at_end": v for k, v in groups.in_flight_at_end.items() if v},
                 "optim/lr": learning_rate(self.config.trainer, step - 1),
             }
         )
@@ -154,9 +169,56 @@ class StepRecorder:
             # Every second not spent training or syncing, the trainer was waiting on something.
             "trainer/idle_ratio": max(0.0, step_s - train_s - sync_s) * per_step,
             "rollout/idle_ratio": min(1.0, rollout_idle_s * per_interval),
+            "rollout/engine_idle_ratio": min(1.0, engine_idle_s * per_interval),
         }
         self._tokens = 0
         return {**self.metrics.flush(), **timing}
+
+    def _token_accounting(
+        self, items: Sequence[tuple[GroupTicket, TrajectoryGroup]], trained_at: int
+    ) -> dict[str, float]:
+        """Tokens generated since the last step and trained in this one, the trained episodes'
+        mean length over the generated ones' (over the run so far: a step may generate no
+        usable episode), and each trained token's lag: `trained_at` minus the version that
+        sampled it."""
+        versions: Counter[int] = Counter()
+        trained = episodes = 0
+        for _, group in items:
+            for episode in group.episodes:
+                episodes += 1
+                for trajectory in episode.trajectories:
+                    for step in trajectory.steps:
+                        out = step.output
+                        trained += len(out.completion_ids)
+                        if out.token_versions:
+                            versions.update(out.token_versions)
+                        elif out.completion_ids:
+                            versions[out.policy_version] += len(out.completion_ids)
+        self._trained_lengths[0] += trained
+        self._trained_lengths[1] += episodes
+        line = {"tokens/generated": float(self._tokens), "tokens/trained": float(trained)}
+        (trained_tokens, trained_episodes), (generated_tokens, generated) = (
+            self._trained_lengths,
+            self._generated_lengths,
+        )
+        if trained_episodes and generated and generated_tokens:
+            mean_generated = generated_tokens / generated
+            line["length/trained_over_generated"] = (
+                trained_tokens / trained_episodes / mean_generated
+            )
+        if versions:
+            lags = sorted((trained_at - v, n) for v, n in versions.items())
+            total = sum(n for _, n in lags)
+            line["lag/token_mean"] = sum(lag * n for lag, n in lags) / total
+            line["lag/token_max"] = float(lags[-1][0])
+            seen, p99 = 0, lags[-1][0]
+            for lag, n in lags:  # the smallest lag that 99% of the tokens do not exceed
+                seen += n
+                if seen >= 0.99 * total:
+                    p99 = lag
+                    break
+            line["lag/token_p99"] = float(p99)
+        return line
 
     def step_done(self) -> None:
         """The step's line is out: evaluation, logging and saving belong to no step's timing."""

@@ -5,7 +5,8 @@ applies the chat template (`unified.chat`), fills in the train or eval sampling 
 request, and gives each request a reproducible seed. The
 runner turns a workflow run into an `Episode`; a workflow's exception or timeout is recorded,
 never raised, so one bad rollout cannot take the run down. `WorkflowSlots` bounds how many
-workflows run at once and how fast they start.
+workflows run at once and how fast they start; `EngineClock` keeps the time during which no
+training request was sampling (`rollout/engine_idle_ratio`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from asyncio_throttle.throttler import Throttler
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from unified.config import TrainerConfig
 
 __all__ = [
+    "EngineClock",
     "EpisodeResult",
     "InProcessRollouts",
     "RolloutExecutor",
@@ -50,6 +53,39 @@ EpisodeResult = tuple[Episode, BaseException | None, int]
 """One finished rollout: the episode, the exception if it failed, the completion tokens sampled."""
 
 
+class EngineClock:
+    """Seconds during which no training request was sampling: the engine's idle time, as the
+    trainer sees it (every request of every rollout, in process or on a worker, runs `busy`)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self._idle_since: float | None = time.monotonic()
+        self._idle_s = 0.0
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Around one sampling request."""
+        if self._idle_since is not None:
+            self._idle_s += time.monotonic() - self._idle_since
+            self._idle_since = None
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+            if not self.running:
+                self._idle_since = time.monotonic()
+
+    def take_idle_seconds(self) -> float:
+        """Idle seconds since the last call."""
+        idle, self._idle_s = self._idle_s, 0.0
+        if self._idle_since is not None:
+            now = time.monotonic()
+            idle += now - self._idle_since
+            self._idle_since = now
+        return idle
+
+
 class SamplingEngine(RolloutEngine):
     """A workflow's view of the policy: the chat template, per-request settings, seeds and token
     accounting, over the backend's `TokenSampler`.
@@ -65,10 +101,12 @@ class SamplingEngine(RolloutEngine):
         sampler: TokenSampler,
         defaults: SamplingParams | None = None,
         seed: int | None = None,
+        clock: EngineClock | None = None,
     ) -> None:
         self._sampler = sampler
         self._defaults = SamplingParams() if defaults is None else defaults
         self._seed = seed
+        self._clock = clock
         self._calls = 0
         self.completion_tokens = 0
 
@@ -102,7 +140,11 @@ class SamplingEngine(RolloutEngine):
         return await self._sample(prompt_ids, self._params(sampling))
 
     async def _sample(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
-        output = await self._sampler.sample(prompt_ids, params)
+        if self._clock is None:
+            output = await self._sampler.sample(prompt_ids, params)
+        else:
+            with self._clock.busy():
+                output = await self._sampler.sample(prompt_ids, params)
         if not isinstance(output, ModelOutput):
             raise BackendReplyError(
                 f"token sampler returned {type(output).__name__}, not ModelOutput (fix the "
@@ -354,17 +396,19 @@ class InProcessRollouts:
         sampler: Callable[[], TokenSampler],
         sampling: SamplingParams,
         deadlines: WorkflowDeadlines,
+        clock: EngineClock | None = None,
     ) -> None:
         self._workflow = workflow
         self._sampler = sampler
         self._sampling = sampling
         self._deadlines = deadlines
+        self._clock = clock
 
     def serving(self) -> contextlib.AbstractAsyncContextManager[object]:
         return workflow_serving(self._workflow)
 
     async def run(self, task: Task, index: int, *, version: int, seed: int) -> EpisodeResult:
-        engine = SamplingEngine(self._sampler(), self._sampling, seed)
+        engine = SamplingEngine(self._sampler(), self._sampling, seed, self._clock)
         episode, error = await run_episode(
             self._workflow,
             task,

@@ -160,7 +160,7 @@ class BanditBackend(BackendProtocol):
 
     async def setup(self, config: TrainerConfig) -> None:
         self.setup_called = True
-        self.partial_rollout = config.async_.partial_rollout
+        self.partial_rollout = bool(config.async_.partial_rollout)
         self.model = config.model
         self.lr = config.trainer.lr
         self.entropy_coef = config.trainer.entropy_coef

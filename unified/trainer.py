@@ -29,7 +29,12 @@ from unified.errors import TrainingInterrupted, TrainingStopped, first_cause
 from unified.loop import TrainingLoop
 from unified.metrics import metrics_for
 from unified.model_provider import model_provider, resolve_model
-from unified.protocol import BackendProtocol, check_capabilities, create_backend
+from unified.protocol import (
+    BackendProtocol,
+    check_capabilities,
+    create_backend,
+    with_partial_rollout,
+)
 from unified.rollout import WorkflowFn, required_fields, resolve_workflow
 from unified.session import BackendSession, backend_session
 from unified.threads import DaemonExecutor
@@ -67,6 +72,7 @@ class UnifiedTrainer:
         )
         self.backend = backend if backend is not None else create_backend(self.config.backend)
         check_capabilities(self.config, self.backend)
+        self.config = with_partial_rollout(self.config, self.backend)
         data = self.config.data
         self.train_tasks = list(train_tasks) if train_tasks is not None else load_tasks(data.train)
         self.eval_tasks: list[Task] = (

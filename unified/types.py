@@ -301,6 +301,11 @@ class Episode(_Model):
         versions = [s.output.oldest_version for t in self.trajectories for s in t.steps]
         return min([self.policy_version, *versions])
 
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens the policy sampled in this episode: every model call's completion."""
+        return sum(len(s.output.completion_ids) for t in self.trajectories for s in t.steps)
+
 
 class TrajectoryGroup(_Model):
     """The rollouts of one task: the unit that is filtered, advantaged and trained. All

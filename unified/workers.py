@@ -34,6 +34,7 @@ from unified.errors import WorkerError, WorkflowError
 from unified.protocol import BackendProtocol, ChatTokenizer, TokenSampler
 from unified.ray_runtime import start_local_ray
 from unified.rollout import (
+    EngineClock,
     EpisodeResult,
     InProcessRollouts,
     WorkflowDeadlines,
@@ -212,8 +213,10 @@ class WorkerPool:
         workflow: WorkflowFn,
         backend: BackendProtocol,
         sampling: SamplingParams,
+        clock: EngineClock | None = None,
     ) -> None:
         self._settings = config.rollout
+        self._clock = EngineClock() if clock is None else clock
         self._workflow = workflow
         self._backend = backend
         self._sampling = sampling
@@ -357,7 +360,8 @@ class WorkerPool:
         call_id, prompt_ids, params = request
         output: ModelOutput | BaseException
         try:
-            output = await sampler.sample(prompt_ids, params)
+            with self._clock.busy():
+                output = await sampler.sample(prompt_ids, params)
         except Exception as e:  # the workflow's model call raised: it gets the error
             output = _portable(e) or e
         finally:

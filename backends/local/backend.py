@@ -257,7 +257,7 @@ class LocalBackend(BackendProtocol):
                 s.vllm,
                 tokenizer=self.tokenizer,
                 key="local.vllm",
-                partial_rollout=config.async_.partial_rollout,
+                partial_rollout=bool(config.async_.partial_rollout),
                 load_timeout_s=config.trainer.backend_timeout_s,
             )
         else:
@@ -265,7 +265,7 @@ class LocalBackend(BackendProtocol):
                 self.model,
                 self.tokenizer,
                 max_batch=s.max_batch,
-                partial_rollout=config.async_.partial_rollout,
+                partial_rollout=bool(config.async_.partial_rollout),
                 threads=self._threads.sampler,
                 prefix_cache_mb=s.prefix_cache_mb,
                 parallel=s.sampler_batches or self._sampler_batches,

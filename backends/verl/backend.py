@@ -88,6 +88,7 @@ class VerlBackend(BackendProtocol):
     # verl takes one scoring temperature per call, and its engine always clips gradients.
     capabilities = BackendCapabilities(
         losses=frozenset({"ppo", "cispo", "importance_sampling"}),
+        partial_rollout=True,
         loss_aggregations=frozenset(LOSS_AGGREGATIONS),
         scoring_temperature="per_step",
         unclipped_gradients=False,
@@ -122,6 +123,7 @@ class VerlBackend(BackendProtocol):
                 self.settings.vllm,
                 tokenizer=self.tokenizer,
                 key="verl.vllm",
+                partial_rollout=bool(config.async_.partial_rollout),
                 load_timeout_s=config.trainer.backend_timeout_s,
             )
             await self.sampler.warm_up()
@@ -130,6 +132,7 @@ class VerlBackend(BackendProtocol):
                 model,
                 self.tokenizer,
                 max_batch=self.settings.max_batch,
+                partial_rollout=bool(config.async_.partial_rollout),
                 prefix_cache_mb=self.settings.prefix_cache_mb,
             )
         self.tied = tied_aliases(model)  # not sent at a weight sync: refilled here
@@ -265,7 +268,7 @@ class VerlBackend(BackendProtocol):
             "gathering the trained weights", self.group.export_weights, self.tied, self.sync_dtype
         )
         # A request running now finishes on the weights it began with (the built-in sampler's
-        # spare copy; vLLM's pause mode `wait`).
+        # spare copy; vLLM's pause mode `wait`), or with partial rollouts continues on these.
         await load_sampler_weights(self.sampler, weights, version)
 
     # -- checkpoints --------------------------------------------------------------------------

@@ -8,8 +8,9 @@ or the built-in sampler's partial rollouts), or, without partial rollouts, with 
 request started on (it finishes on its snapshot, as the tinker backend's requests do).
 
 The engine keeps its own books, independent of the trainer's metrics: every token it decoded
-(those of cancelled requests too), its slots' busy time, and the lag of every token trained
-(trainer version at `forward_backward` minus the token's version).
+(those of cancelled requests too), the length drawn for every request made (the data's length
+distribution, which a loop that cuts long requests trains below), its slots' busy time, and the
+lag of every token trained (trainer version at `forward_backward` minus the token's version).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class EngineSampler(BanditSampler):
         e, w = self.engine, self.engine.w
         seed = cast(int, params.seed)
         length = w.length(random.Random(seed ^ 0x1E46))  # independent of the answer's draw
+        e.requested_lengths.append(length)
         async with e.slots:
             started = time.monotonic()
             version, logits = e.sampler_version, list(e.sampler_logits)
@@ -98,7 +100,6 @@ class EngineSampler(BanditSampler):
             versions = [e.version_at(started + (i + 1) * w.token_s) for i in range(length)]
         else:
             versions = [version] * length
-        e.finished_lengths.append(length)
         return ModelOutput(
             text=str(answer),
             prompt_ids=prompt_ids,
@@ -120,7 +121,8 @@ class EngineBackend(BanditBackend):
         self.syncs: list[tuple[float, int]] = [(-math.inf, 0)]
         self.busy_s = 0.0
         self.decoded = 0  # every token decoded, cancelled requests' too
-        self.finished_lengths: list[int] = []
+        # The length of every request made, finished or cut: the data's length distribution.
+        self.requested_lengths: list[int] = []
         self.trained_lags: Counter[int] = Counter()
         self.trained_lengths: list[int] = []
         self.step_times: list[float] = []

@@ -31,7 +31,9 @@ def demo(tmp_path: Path) -> list[str]:
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("trainer.bach_size=3", "unknown config key 'trainer.bach_size'; valid keys here: "),
+        ("trainer.bach_size=3", "unknown config key 'trainer.bach_size'; did you mean 'batch_"),
+        ("trainer.zzz=3", "unknown config key 'trainer.zzz'; valid keys here: "),
+        ("async.over_admit=1", "async.over_admit (1) applies only with async.strict_staleness"),
         ("trainer.batch_size=lots", "config key 'trainer.batch_size'"),
         ("async.max_staleness=-1", "greater than or equal to 0"),
         ("workflow=unified.testing:NoSuchWorkflow", "has no attribute 'NoSuchWorkflow'"),

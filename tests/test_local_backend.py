@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from backends.local.backend import LocalBackend, split_threads
 from tests.conftest import ConfigFactory
@@ -374,6 +375,9 @@ def test_a_few_optimizer_steps_on_countdown(make_config: ConfigFactory, mode: st
         assert key in result.metrics, key
     truncated_is = {"train/is_ratio_mean", "train/is_clipped_frac"}
     assert (truncated_is <= set(result.metrics)) == (mode == "async"), "TIS on in async only"
+    recorded = yaml.safe_load((result.run_dir / "config.yaml").read_text())
+    assert recorded["async"]["partial_rollout"] is (mode == "async"), "resolved and recorded"
+    assert result.metrics["tokens/discarded"] == 0 and result.metrics["lag/token_max"] >= 0
 
 
 async def test_a_batched_request_gets_what_it_would_get_alone() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -129,11 +130,14 @@ def test_countdown_reward_rises_through_tinker(
 
 
 def test_without_url_or_key_the_backend_trains_on_its_own_local_server_and_resumes(
-    tinker_config: Any, monkeypatch: pytest.MonkeyPatch
+    tinker_config: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.delenv("TINKER_API_KEY", raising=False)
     config = tinker_config(trainer={"total_steps": 2, "save_every": 2})
-    first = UnifiedTrainer(config, train_tasks=digits_tasks()).fit()
+    with caplog.at_level(logging.WARNING, logger="backends.tinker.backend"):
+        first = UnifiedTrainer(config, train_tasks=digits_tasks()).fit()
+    said = [r.getMessage() for r in caplog.records if "trains offline" in r.getMessage()]
+    assert said and "TINKER_API_KEY=tml-" in said[0], "the offline fallback says so, and how out"
     (checkpoint,) = (first.run_dir / "checkpoints").iterdir()
     record = json.loads((checkpoint / "backend" / "tinker.json").read_text())
     assert record["state_path"].startswith("tinker://"), "the run records the tinker:// path"

@@ -7,6 +7,7 @@ does; `UnifiedTrainer` accepts a `TrainerConfig`, a dict of the same shape, or a
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -559,8 +560,11 @@ def _explain(error: ValidationError) -> str:
     for err in error.errors():
         loc = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
-            valid = ", ".join(sorted(_fields_at(err["loc"][:-1])))
-            lines.append(f"unknown config key {loc!r}; valid keys here: {valid}")
+            fields = _fields_at(err["loc"][:-1])
+            close = difflib.get_close_matches(str(err["loc"][-1]), fields, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            valid = ", ".join(sorted(fields))
+            lines.append(f"unknown config key {loc!r}; {hint}valid keys here: {valid}")
         elif err["type"] == "missing":
             lines.append(f"config key {loc!r} is required")
         elif err["type"] == "value_error" and isinstance(err.get("input"), dict):

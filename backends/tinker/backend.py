@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import uuid
 from collections.abc import Awaitable, Callable
@@ -43,6 +44,8 @@ from unified.retry import NO_RETRY, retrying
 from unified.sequences import TrainingSequence, fold_kl_penalty, sampled_entropy, sequences_of
 from unified.threads import in_daemon_thread
 from unified.types import ModelOutput, SamplingParams, TrajectoryGroup
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TinkerBackend"]
 
@@ -105,6 +108,15 @@ class TinkerBackend(BackendProtocol):
         if base_url is None and key is None:
             base_url = await self._start_local_server(config)
             key = LOCAL_KEY
+            log.warning(
+                "tinker: no $%s and no tinker.base_url, so this run trains offline on a local "
+                "Tinker-compatible server (unified tinker-serve at %s, model %s); for Thinking "
+                "Machines' service set %s=tml-...",
+                settings.api_key_env,
+                base_url,
+                config.model,
+                settings.api_key_env,
+            )
         elif key is None:
             raise UsageError(
                 f"tinker: no API key for {base_url}; set {settings.api_key_env}=tml-..."

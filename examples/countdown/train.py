@@ -6,7 +6,7 @@ Trains with `UnifiedTrainer`, which builds the warm start on first use (the conf
 provider, `examples.countdown.prepare:warmstart_model`), then prints the greedy eval accuracy
 before and after training (the mean of the last evaluations), for the tool agent
 (`local_tool_*.yaml`) its calc calls per episode and their well-formed share too, the two
-baselines it must beat, and where the reward-curve PNG is.
+baselines it must beat, and where the reward-curve PNG and the final checkpoint are.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from examples.countdown.baselines import baselines, best_pattern_by_target_band
+from unified.checkpoint import RunDirectory
 from unified.commands import run_command
 from unified.config import TrainerConfig, load_config
 from unified.errors import UsageError
@@ -107,6 +108,9 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
         f"{best_pattern_by_target_band(trainer.eval_tasks):.1%}"
     )
     print(f"  reward curves: {curves}")
+    checkpoint = RunDirectory(result.run_dir).latest_checkpoint()
+    if checkpoint is not None:
+        print(f"  final checkpoint: {checkpoint}")
     return 0
 
 

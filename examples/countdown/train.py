@@ -11,7 +11,10 @@ baselines it must beat, and where the reward-curve PNG and the final checkpoint 
 
 from __future__ import annotations
 
+import glob
 import json
+import re
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -21,7 +24,7 @@ from examples.countdown.baselines import baselines, best_pattern_by_target_band
 from unified.checkpoint import RunDirectory
 from unified.commands import run_command
 from unified.config import TrainerConfig, load_config
-from unified.errors import UsageError
+from unified.errors import TrainingInterrupted, UsageError
 from unified.imports import import_object
 from unified.model_provider import resolve_model
 from unified.plot import plot_run
@@ -53,8 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _train_and_report(config_path: str, overrides: list[str]) -> int:
     config = load_config(config_path, overrides)
-    # A fresh run gets its own timestamped directory; resume=true continues the named one.
-    if not config.resume and not any(a.startswith("name=") for a in overrides):
+    named = any(a.startswith("name=") for a in overrides)
+    # A fresh run gets its own timestamped directory; resume=true continues the named one, or
+    # without a name the newest of this config's runs that has a checkpoint.
+    if config.resume:
+        config.name = _run_to_resume(config, named=named).name
+        print(f"countdown: resuming {config.run_path}", file=sys.stderr)
+    elif not named:
         config.name = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     # The warm start is built on first use and cached: timed apart from the RL run.
     started = time.monotonic()
@@ -62,7 +70,12 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
     build_minutes = (time.monotonic() - started) / 60
     trainer = UnifiedTrainer(config)
     started = time.monotonic()
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except TrainingInterrupted as e:
+        again = _resume_command(config_path, overrides, config.name)
+        message = str(e).replace("continue with resume=true", f"continue with: {again}")
+        raise TrainingInterrupted(message, signal_number=e.signal_number) from None
     minutes = (time.monotonic() - started) / 60
     summary = summarize(result.run_dir)
     first = json.loads((result.run_dir / "metrics.jsonl").read_text().splitlines()[0])
@@ -112,6 +125,40 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
     if checkpoint is not None:
         print(f"  final checkpoint: {checkpoint}")
     return 0
+
+
+_STAMP = re.compile(r"-\d{8}-\d{6}$")
+
+
+def _run_to_resume(config: TrainerConfig, *, named: bool) -> Path:
+    """The run directory `resume=true` continues: the named one, or the newest stamped run of
+    this config; either must hold a checkpoint, else a usage error naming where it looked."""
+    if named:
+        runs = [config.run_path]
+        where = str(config.run_path / "checkpoints")
+    else:
+        root = config.logging.run_dir
+        runs = sorted(
+            (p for p in root.glob(f"{glob.escape(config.name)}-*") if _STAMP.search(p.name)),
+            reverse=True,  # the stamps sort by time
+        )
+        where = f"{root / config.name}-<date>-<time>/checkpoints"
+    for run in runs:
+        if RunDirectory(run).latest_checkpoint() is not None:
+            return run
+    raise UsageError(
+        f"resume=true found no checkpoint to resume in {where}; leave out resume=true to start "
+        "a new run, or name the run to continue with name=<run>"
+    )
+
+
+def _resume_command(config_path: str, overrides: list[str], name: str) -> str:
+    """The command that continues run `name`: this script with the same overrides."""
+    script = Path(config_path).with_suffix(".sh")
+    module = f"python -m examples.countdown.train {config_path}"
+    launch = f"bash {script}" if script.is_file() else module
+    kept = [a for a in overrides if not a.startswith(("name=", "resume="))]
+    return " ".join([launch, *map(shlex.quote, kept), f"name={name}", "resume=true"])
 
 
 def _percent(share: float | None) -> str:

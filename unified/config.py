@@ -230,9 +230,9 @@ class AsyncConfig(_Section):
         description="How far generation runs ahead of training, in windows of sync_every steps: "
         "a group is admitted only while the groups admitted and not yet trained fit in the "
         "next 1 + max_staleness windows (a straggler past that, and any group while none is "
-        "ready, holds only its running episodes). Nothing is thrown away for being late; each token keeps the version it "
-        "was sampled under (metrics lag/token_*). With strict_staleness: the most versions a "
-        "trained group may lag behind the weights.",
+        "ready, holds only its running episodes). Nothing is thrown away for being late; each "
+        "token keeps the version it was sampled under (metrics lag/token_*). With "
+        "strict_staleness: the most versions a trained group may lag behind the weights.",
     )
     strict_staleness: bool = Field(
         False,

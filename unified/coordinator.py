@@ -5,14 +5,14 @@ Two rules, one per `async.strict_staleness`:
 - **Admission by count** (the default; AReaL's rule). Generation runs at most `max_staleness`
   windows ahead of training: a group is admitted only while the groups admitted and not yet
   trained fit in the next `1 + max_staleness` windows, `pending + taken < (1 + max_staleness) *
-  slots` (pending: the groups generating or ready; taken: trained in this window). A group
-  trained in admission order is then never more than `max_staleness` versions behind. A
-  group still generating counts only its running episodes (over `group_size`) once its
+  slots` (pending: the groups generating or ready; taken: trained in this window). Counted
+  whole, groups trained in admission order are never more than `max_staleness` versions behind.
+  A group still generating counts only its running episodes (over `group_size`) once its
   deadline (`version + max_staleness`) has passed, a straggler, or while no group is ready (the
-  trainer waits on generation): finished episodes waiting on their group's slowest one would
-  otherwise keep the engine from new work. Nothing expires: every group trains, oldest first, however
-  long its slowest episode took; what that costs in freshness is measured per token
-  (`lag/token_*`), not bounded.
+  trainer waits on generation, so nothing queued can age): its finished episodes, waiting on
+  its slowest one, would otherwise keep the engine from new work. Nothing expires: every group
+  trains, oldest first, however long its slowest episode took; what that costs in freshness is
+  measured per token (`lag/token_*`), not bounded.
 - **The hard per-group bound** (`strict_staleness: true`). A group dispatched at version `p`
   must be trained while the weights are at most version `p + max_staleness` (its deadline).
   Each window of `sync_every` optimizer steps trains `sync_every * batch_size` groups (its

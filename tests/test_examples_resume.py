@@ -1,9 +1,9 @@
 """Every countdown script, interrupted and resumed as its own stop message says.
 
 Each script runs as a user runs it (`bash examples/countdown/<script>.sh key=value ...`), shrunk
-to three steps of a built-in model; Ctrl-C (SIGINT) after its first step; then the command the
-message prints, verbatim: the run continues in the same directory, its steps continue, and no
-group trains twice.
+to a few steps of a built-in model; Ctrl-C (SIGINT) after its first step (with steps enough left
+that the signal lands mid-run); then the command the message prints, verbatim: the run continues
+in the same directory, its steps continue, and no group trains twice.
 """
 
 from __future__ import annotations
@@ -24,15 +24,16 @@ from unified.checkpoint import RunDirectory
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p.stem for p in (REPO / "examples" / "countdown").glob("*.sh"))
+STEPS = 12
 SMALL = [
     "model=builtin:tiny",
-    "trainer.total_steps=3",
+    f"trainer.total_steps={STEPS}",
     "trainer.batch_size=2",
     "trainer.group_size=2",
     "trainer.keep_per_group=null",
     "trainer.filter_groups=false",
     "trainer.warmup_steps=0",
-    "trainer.eval_every=3",
+    f"trainer.eval_every={STEPS}",
     "trainer.eval_before_train=false",
     "trainer.stop_grace_s=120",
     "data.train.n=64",
@@ -64,7 +65,7 @@ def test_a_script_stopped_with_ctrl_c_resumes_with_the_command_it_prints(
         ["bash", f"examples/countdown/{script}.sh", *SMALL, f"logging.run_dir={tmp_path}"], env
     )
     try:
-        wait_for_stderr(first, "step 1/3", timeout_s=300)
+        wait_for_stderr(first, f"step 1/{STEPS}", timeout_s=300)
         first.send_signal(signal.SIGINT)
         _, err = first.communicate(timeout=300)
     finally:
@@ -82,7 +83,8 @@ def test_a_script_stopped_with_ctrl_c_resumes_with_the_command_it_prints(
     assert f"resuming {run_path}" in again.stderr.decode(), "the stopped run, not a new one"
     assert [p.name for p in tmp_path.iterdir()] == [run_path.name], "no second run directory"
     lines = (run_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3], "steps continue, none twice"
+    steps = [json.loads(line)["step"] for line in lines]
+    assert steps == list(range(1, STEPS + 1)), "steps continue, none twice"
     trained = Counter(
         e.group_id for e in RunDirectory(run_path).read_ledger() if e.outcome == "trained"
     )

@@ -18,6 +18,7 @@ import torch
 from backends.verl.backend import VerlBackend
 from examples.countdown.tasks import make_tasks
 from examples.countdown.workflow import CountdownWorkflow
+from torchkit.sampler import BatchingSampler
 from unified import UnifiedTrainer
 from unified.config import TrainerConfig, load_config
 from unified.rollout import SamplingEngine
@@ -129,9 +130,12 @@ async def test_weight_sync_checkpoints_and_the_kl_reference_on_the_cpu_worker_gr
     # One Ray start for the whole update path: train with a KL penalty, sync, save, load.
     config = countdown_config(tmp_path)
     config.trainer.kl_coef = 0.5
+    config.mode, config.async_.partial_rollout = "async", True  # what async mode resolves to
     backend = VerlBackend()
     await backend.setup(config)
     try:
+        # The driver's sampler cuts running requests at a sync (the sampler's own tests).
+        assert isinstance(backend.sampler, BatchingSampler) and backend.sampler.partial_rollout
         before = await rollout_groups(backend, seed=1)
         assert max_gap(await backend.score(before), sampled(before)) < 1e-4, (
             "before training, the workers and the sampler hold the same weights"

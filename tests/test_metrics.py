@@ -329,3 +329,42 @@ def test_build_sinks_builds_what_logging_asks_for(tmp_path: Path) -> None:
     kinds = [type(sink) for sink in sinks]
     assert kinds == [ConsoleSink, JsonlSink], f"console and jsonl expected, got {kinds}"
     assert (tmp_path / "metrics.jsonl").exists(), "JsonlSink must write run_path/metrics.jsonl"
+
+
+def test_token_lag_is_over_every_trained_token_and_length_over_usable_episodes() -> None:
+    from unified.config import load_config
+    from unified.groups import GroupTicket
+    from unified.recorder import StepRecorder
+    from unified.types import Episode, ModelOutput, Step, Trajectory, TrajectoryGroup
+
+    def episode(n: int, versions: list[int] | None, version: int = 3) -> Episode:
+        out = ModelOutput(
+            text="x" * n,
+            prompt_ids=[1],
+            completion_ids=[7] * n,
+            logprobs=[-0.5] * n,
+            finish_reason="stop",
+            policy_version=version,
+            token_versions=versions,
+        )
+        return Episode(task_id="t", rollout_index=0, trajectories=[Trajectory(
+            steps=[Step(output=out)], reward=0.0
+        )])  # fmt: skip
+
+    config = load_config({"workflow": "unified.testing:BanditWorkflow"})
+    recorder = StepRecorder(config, MetricsAggregator())
+    try:
+        # 100 tokens: 99 sampled at version 5 and one at version 0, trained at version 5.
+        spanning = episode(50, [0] + [5] * 49)
+        whole = episode(50, None, version=5)
+        for e in (spanning, whole, episode(200, None)):  # a long one generated, not trained
+            recorder.episode(e, None, e.completion_tokens)
+        group = TrajectoryGroup(task_id="t", episodes=[spanning, whole], advantages=[1.0, -1.0],
+                                policy_version=0)  # fmt: skip
+        line = recorder._token_accounting([(GroupTicket(0, 0, "g", "t"), group)], trained_at=5)
+    finally:
+        recorder._writer.close()
+    assert line["tokens/generated"] == 300 and line["tokens/trained"] == 100
+    assert line["lag/token_mean"] == pytest.approx(5 / 100)
+    assert (line["lag/token_p99"], line["lag/token_max"]) == (0.0, 5.0), "one token in 100"
+    assert line["length/trained_over_generated"] == pytest.approx(50 / 100), "the long one left"

@@ -17,7 +17,7 @@ import asyncio
 import heapq
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -102,6 +102,10 @@ class TrajectoryGroupBuffer:
         self._rollouts: dict[str, tuple[GroupTicket, list[asyncio.Task[None]]]] = {}
         self.episodes_running = 0
         """Episodes of dispatched groups not yet finished (running, or waiting for a slot)."""
+        # The groups still generating and their unfinished episodes, by dispatch version: what
+        # admission by count reads, without a pass over every group.
+        self._generating_at: Counter[int] = Counter()
+        self._running_at: Counter[int] = Counter()
         self._ready: list[tuple[GroupTicket, TrajectoryGroup]] = []  # a heap, oldest first
         self._ended: list[EndedGroup] = []
         self._changes = Changes(stall_timeout_s, self.describe)
@@ -156,16 +160,21 @@ class TrajectoryGroupBuffer:
         share only (`running / group_size`) once it is late (its deadline has passed) or while
         no group is ready (the trainer waits on generation: finished episodes that wait on
         their group's slowest ones then only keep the engine from new work)."""
-        c = self.coordinator
-        starved = not self._ready
         pending = float(len(self._ready))
-        for ticket, _ in self._rollouts.values():
-            if starved or ticket.version + c.max_staleness < c.version:
-                running = self.group_size - len(self._episodes[ticket.group_id])
-                pending += running / self.group_size
+        if not self._ready:
+            return pending + self.episodes_running / self.group_size
+        late_before = self.coordinator.version - self.coordinator.max_staleness
+        for version, groups in self._generating_at.items():
+            if version < late_before:
+                pending += self._running_at[version] / self.group_size
             else:
-                pending += 1.0
+                pending += groups
         return pending
+
+    def _finished_running(self, version: int, episodes: int) -> None:
+        """`episodes` of a group dispatched at `version` stopped running (done or cut)."""
+        self.episodes_running -= episodes
+        self._running_at[version] -= episodes
 
     def dispatch(self) -> tuple[GroupTicket, Task]:
         """Admit one group (call only when `can_admit(...)`); return it and its task."""
@@ -179,6 +188,8 @@ class TrajectoryGroupBuffer:
         self._episodes[ticket.group_id] = []
         self._rollouts[ticket.group_id] = (ticket, [])
         self.episodes_running += self.group_size
+        self._generating_at[ticket.version] += 1
+        self._running_at[ticket.version] += self.group_size
         if self._idle_since is not None:
             self._idle_s += time.monotonic() - self._idle_since
             self._idle_since = None
@@ -256,8 +267,8 @@ class TrajectoryGroupBuffer:
             self.in_flight_at_end["episodes"] += finished
             self.in_flight_at_end["tokens"] += tokens
         if ticket.group_id in self._episodes:  # still generating: its unfinished ones are cut
-            self._stop_generating(ticket.group_id)
-            self.episodes_running -= self.group_size - finished
+            self._finished_running(ticket.version, self.group_size - finished)
+            self._stop_generating(ticket)
         reason = (
             f"dispatched at version {ticket.version}, {why} with {finished} of "
             f"{self.group_size} episodes done; its task is dispatched again"
@@ -277,7 +288,7 @@ class TrajectoryGroupBuffer:
     def add_episode(self, ticket: GroupTicket, episode: Episode) -> None:
         """One finished episode; the group ends when its `group_size`-th episode arrives."""
         episodes = self._episodes[ticket.group_id]
-        self.episodes_running -= 1
+        self._finished_running(ticket.version, 1)
         episodes.append(episode)
         if len(episodes) < self.group_size:
             c = self.coordinator
@@ -288,15 +299,19 @@ class TrajectoryGroupBuffer:
             else:
                 self._changes.progressed()  # progress for the stall clock, short of a change
             return
-        self._stop_generating(ticket.group_id)
+        self._stop_generating(ticket)
         episodes.sort(key=lambda e: e.rollout_index)
         self._end(ticket, episodes)
         self._notify()
 
-    def _stop_generating(self, group_id: str) -> None:
+    def _stop_generating(self, ticket: GroupTicket) -> None:
         """The group collects no more episodes (all in, or requeued)."""
-        del self._episodes[group_id]
-        self._rollouts.pop(group_id, None)
+        del self._episodes[ticket.group_id]
+        self._rollouts.pop(ticket.group_id, None)
+        self._generating_at[ticket.version] -= 1
+        if not self._generating_at[ticket.version]:  # and so none of its episodes is running
+            assert not self._running_at[ticket.version], self._running_at
+            del self._generating_at[ticket.version], self._running_at[ticket.version]
         if not self._episodes:
             self._idle_since = time.monotonic()
 

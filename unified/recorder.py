@@ -63,8 +63,8 @@ class StepRecorder:
         """A training episode finished: count it, its tokens, its failure and its tool calls."""
         self._tokens += tokens
         self._episodes_done += 1
-        if episode.status == "ok":
-            self._generated_lengths[0] += episode.completion_tokens
+        if episode.status == "ok":  # its length: every token its model calls sampled
+            self._generated_lengths[0] += tokens
             self._generated_lengths[1] += 1
         if error is not None:
             self._count_failure(episode, error)

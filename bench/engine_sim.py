@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import cast
 
+from unified.metrics import counted_quantile
 from unified.protocol import BackendCapabilities
 from unified.testing import END_OF_ANSWER, BanditBackend, BanditSampler, softmax
 from unified.types import ModelOutput, SamplingParams, TrajectoryGroup
@@ -159,9 +160,4 @@ class EngineBackend(BanditBackend):
 
     def lag(self, quantile: float) -> float:
         """The smallest token lag that `quantile` of the trained tokens do not exceed."""
-        total, seen = sum(self.trained_lags.values()), 0
-        for lag in sorted(self.trained_lags):
-            seen += self.trained_lags[lag]
-            if seen >= quantile * total:
-                return float(lag)
-        return 0.0
+        return float(counted_quantile(self.trained_lags, quantile))

@@ -100,8 +100,6 @@ class TrajectoryGroupBuffer:
         self._tasks: dict[str, tuple[Task, int]] = {}
         self._episodes: dict[str, list[Episode]] = {}  # groups still generating
         self._rollouts: dict[str, tuple[GroupTicket, list[asyncio.Task[None]]]] = {}
-        self.episodes_running = 0
-        """Episodes of dispatched groups not yet finished (running, or waiting for a slot)."""
         # The groups still generating and their unfinished episodes, by dispatch version: what
         # admission by count reads, without a pass over every group.
         self._generating_at: Counter[int] = Counter()
@@ -150,8 +148,15 @@ class TrajectoryGroupBuffer:
     def can_admit(self, max_concurrency: int) -> bool:
         """Whether one more group may be dispatched now; while a whole group would find free
         workflow slots (of `max_concurrency`), the strict rule may admit beyond the bound."""
-        spare = self.episodes_running + self.group_size <= max_concurrency
-        return self.coordinator.can_admit(spare=spare, pending=self.pending)
+        c = self.coordinator
+        if not c.strict:
+            return c.can_admit(pending=self.pending)
+        return c.can_admit(spare=self.episodes_running + self.group_size <= max_concurrency)
+
+    @property
+    def episodes_running(self) -> int:
+        """Episodes of dispatched groups not yet finished (running, or waiting for a slot)."""
+        return sum(self._running_at.values())
 
     @property
     def pending(self) -> float:
@@ -173,7 +178,6 @@ class TrajectoryGroupBuffer:
 
     def _finished_running(self, version: int, episodes: int) -> None:
         """`episodes` of a group dispatched at `version` stopped running (done or cut)."""
-        self.episodes_running -= episodes
         self._running_at[version] -= episodes
 
     def dispatch(self) -> tuple[GroupTicket, Task]:
@@ -187,7 +191,6 @@ class TrajectoryGroupBuffer:
         self._tasks[ticket.group_id] = (task, seq)
         self._episodes[ticket.group_id] = []
         self._rollouts[ticket.group_id] = (ticket, [])
-        self.episodes_running += self.group_size
         self._generating_at[ticket.version] += 1
         self._running_at[ticket.version] += self.group_size
         if self._idle_since is not None:

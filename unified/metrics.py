@@ -38,6 +38,7 @@ __all__ = [
     "TensorBoardSink",
     "WandbSink",
     "build_sinks",
+    "counted_quantile",
     "metrics_for",
 ]
 
@@ -118,6 +119,17 @@ def _std(values: list[float]) -> float:
     mean = _fsum(values) / len(values)
     return math.sqrt(_fsum([(v - mean) * (v - mean) for v in values]) / len(values))  # no **:
     # a float's ** raises on overflow where * gives inf
+
+
+def counted_quantile(counts: Mapping[int, int], quantile: float) -> int:
+    """The smallest value that `quantile` of the counted items do not exceed (`counts`: value
+    -> how many items have it; not empty): the p99 of a token lag, from a count per lag."""
+    total, seen = sum(counts.values()), 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen >= quantile * total:
+            return value
+    return max(counts)
 
 
 def _reduction(key: str) -> Callable[[list[float]], float]:

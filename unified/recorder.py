@@ -24,7 +24,7 @@ from unified.config import TrainerConfig
 from unified.errors import StallError, TrainingStopped
 from unified.evaluation import episode_tool_calls
 from unified.groups import EndedGroup, GroupTicket, TrajectoryGroupBuffer
-from unified.metrics import MetricsAggregator
+from unified.metrics import MetricsAggregator, counted_quantile
 from unified.schedule import learning_rate
 from unified.threads import DaemonWorker
 from unified.types import Episode, TrajectoryGroup
@@ -207,17 +207,10 @@ class StepRecorder:
                 trained_tokens / trained_episodes / mean_generated
             )
         if versions:
-            lags = sorted((trained_at - v, n) for v, n in versions.items())
-            total = sum(n for _, n in lags)
-            line["lag/token_mean"] = sum(lag * n for lag, n in lags) / total
-            line["lag/token_max"] = float(lags[-1][0])
-            seen, p99 = 0, lags[-1][0]
-            for lag, n in lags:  # the smallest lag that 99% of the tokens do not exceed
-                seen += n
-                if seen >= 0.99 * total:
-                    p99 = lag
-                    break
-            line["lag/token_p99"] = float(p99)
+            lags = {trained_at - v: n for v, n in versions.items()}
+            line["lag/token_mean"] = sum(lag * n for lag, n in lags.items()) / sum(lags.values())
+            line["lag/token_p99"] = float(counted_quantile(lags, 0.99))
+            line["lag/token_max"] = float(max(lags))
         return line
 
     def step_done(self) -> None:

@@ -140,11 +140,8 @@ class SamplingEngine(RolloutEngine):
         return await self._sample(prompt_ids, self._params(sampling))
 
     async def _sample(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
-        if self._clock is None:
+        with contextlib.nullcontext() if self._clock is None else self._clock.busy():
             output = await self._sampler.sample(prompt_ids, params)
-        else:
-            with self._clock.busy():
-                output = await self._sampler.sample(prompt_ids, params)
         if not isinstance(output, ModelOutput):
             raise BackendReplyError(
                 f"token sampler returned {type(output).__name__}, not ModelOutput (fix the "

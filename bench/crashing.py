@@ -26,10 +26,11 @@ from typing import Any, Literal
 
 from backends.local.backend import LocalBackend
 from examples.countdown.workflow import CountdownWorkflow
-from unified.checkpoint import RunDirectory
-from unified.config import TrainerConfig, load_config
+from unified.checkpoint import LedgerEntry, RunDirectory
+from unified.config import LoggingConfig, TrainerConfig, load_config
 from unified.data import TaskSampler, load_tasks
 from unified.protocol import TokenSampler
+from unified.records import EpisodeRecord, StepRecord, read_records
 from unified.types import ModelOutput, SamplingParams, Task, TrajectoryGroup
 
 Phase = Literal["generation", "training", "sync", "checkpoint"]
@@ -115,7 +116,7 @@ def countdown_config(run_dir: Path, name: str, mode: str, **trainer: Any) -> dic
         "async": {"max_staleness": 1, "sync_every": 1},
         "sampling": {"train": {"max_tokens": 6}},
         "local": {"threads": 1},
-        "logging": {"run_dir": str(run_dir), "console": False},
+        "logging": {"run_dir": str(run_dir), "console": False, "record_every": 1},
         "resume": True,
     }
 
@@ -272,10 +273,51 @@ def check_run(config_dict: dict[str, Any]) -> RunCheck:
             f"tasks drawn but not ended: {sorted((drawn - ended).elements())}, "
             f"ended but not drawn: {sorted((ended - drawn).elements())}"
         )
+    problems += _records_problems(run.path, entries, settings.total_steps, config.logging)
     leftovers = [p.name for p in run.checkpoints.iterdir() if not p.name.startswith("step_")]
     if leftovers:
         problems.append(f"temporary checkpoint directories left behind: {leftovers}")
     return RunCheck(problems, groups=len(entries), lost=lost, duplicated=duplicated)
+
+
+def _records_problems(
+    run_dir: Path, entries: list[LedgerEntry], total_steps: int, logging: LoggingConfig
+) -> list[str]:
+    """The rollout records of a finished run say what its ledger says, each thing once: a
+    timeline line per step, and each recorded group's episodes under the outcome and step of
+    its one ledger line (every `record_every`-th group with finished episodes is there)."""
+    records, _ = read_records(run_dir)
+    problems = []
+    steps = [r.step for r in records if isinstance(r, StepRecord)]
+    if steps != list(range(1, total_steps + 1)):
+        problems.append(f"records have step lines {steps}, not 1..{total_steps}")
+    ledger = {e.group_id: (e.outcome, e.step) for e in entries}
+    seen: Counter[tuple[str, int]] = Counter()
+    recorded: set[str] = set()
+    for r in records:
+        if isinstance(r, EpisodeRecord) and r.outcome != "eval":
+            seen[(r.group_id, r.index)] += 1
+            recorded.add(r.group_id)
+            if ledger.get(r.group_id) != (r.outcome, r.step):
+                problems.append(
+                    f"episode {r.group_id}/{r.index} recorded as {r.outcome} in step {r.step}, "
+                    f"ledger says {ledger.get(r.group_id)}"
+                )
+    twice = sorted(key for key, n in seen.items() if n > 1)
+    if twice:
+        problems.append(f"episodes recorded twice: {twice}")
+    every = logging.record_every
+    missing = [
+        e.group_id
+        for e in entries
+        if every
+        and int(e.group_id[1 : e.group_id.index("-")]) % every == 0
+        and e.outcome != "requeued"
+        and e.group_id not in recorded
+    ]
+    if missing:
+        problems.append(f"groups that should be in the records are not: {missing}")
+    return problems
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:

@@ -180,12 +180,14 @@ def tasks(n: int) -> list[Task]:
     return [Task(id=f"t{i}", data={"prompt": f"question {i}"}) for i in range(n)]
 
 
-def per_trajectory(args: argparse.Namespace, mode: str) -> tuple[float, float]:
+def per_trajectory(
+    args: argparse.Namespace, mode: str, records: bool = True
+) -> tuple[float, float]:
     """Steady-state (wall, CPU) microseconds per trajectory of one run (best of `--repeats`)."""
     best = (float("inf"), float("inf"))
     for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
-            run = config(args, tmp, mode=mode, name=f"{mode}{repeat}")
+            run = config(args, tmp, mode=mode, name=f"{mode}{repeat}", logging={"records": records})
             backend = ZeroBackend()
             UnifiedTrainer(run, backend=backend, train_tasks=tasks(4096)).fit()
         (wall0, cpu0), (wall1, cpu1) = backend.step_times[0], backend.step_times[-1]
@@ -281,6 +283,12 @@ def main() -> None:
         per_trajectory(args, "async"),
         per_trajectory(args, "sync"),
     )
+    # The rollout records' cost: the async run without them and with them, alternately.
+    without, with_records = [], []
+    for _ in range(args.repeats):
+        without.append(per_trajectory(args, "async", records=False)[0])
+        with_records.append(per_trajectory(args, "async")[0])
+    us_off, us_on = min(without), min(with_records)
     us_direct, cpu_direct = direct(args)
     us_tasks, cpu_tasks = as_tasks(args)
     memory = in_flight(args)
@@ -290,6 +298,10 @@ def main() -> None:
     )
     print(f"  async trainer: {us_async:.1f} us per trajectory ({cpu_async:.1f} us of CPU)")
     print(f"  sync trainer:  {us_sync:.1f} us per trajectory")
+    print(
+        f"  rollout records (defaults: every 16th group, the timeline): {us_on:.1f} vs "
+        f"{us_off:.1f} us per trajectory without them ({us_on / us_off - 1:+.1%} of step time)"
+    )
     print(
         f"  workflow + backend alone, no trainer: {us_direct:.1f} us per call "
         f"({cpu_direct:.1f} us of CPU)"
@@ -313,6 +325,8 @@ def main() -> None:
         "max_in_flight": int(memory["max_in_flight"]),
         "cpu_us_per_trajectory": cpu_async,
         "us_per_trajectory_sync": us_sync,
+        "us_per_trajectory_records_off": us_off,
+        "us_per_trajectory_records_on": us_on,
         "us_per_call_without_trainer": us_direct,
         "cpu_us_per_call_without_trainer": cpu_direct,
         "us_per_call_as_tasks": us_tasks,

@@ -21,6 +21,7 @@ import pytest
 
 from tests.test_stop import wait_for_stderr
 from unified.checkpoint import RunDirectory
+from unified.records import StepRecord, read_records
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p.stem for p in (REPO / "examples" / "countdown").glob("*.sh"))
@@ -90,6 +91,11 @@ def test_a_script_stopped_with_ctrl_c_resumes_with_the_command_it_prints(
     )
     assert trained and max(trained.values()) == 1, f"a group trained twice: {trained}"
     assert "final checkpoint: " in again.stdout.decode(), "the report names the checkpoint"
+    assert f"report (open in a browser): {run_path}/report.html" in again.stdout.decode()
+    assert (run_path / "report.html").is_file()
+    records, _ = read_records(run_path)
+    recorded_steps = [r.step for r in records if isinstance(r, StepRecord)]
+    assert recorded_steps == list(range(1, STEPS + 1)), "the timeline has each step once"
 
 
 def test_a_resume_with_nothing_to_resume_is_one_line_and_exit_2(tmp_path: Path) -> None:

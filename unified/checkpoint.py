@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from unified.errors import UsageError
+from unified.records import truncate_records
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ class TrainerState(BaseModel):
     """The adaptive entropy coefficient after `step` (`trainer.entropy_target`); None without."""
     ledger_lines: int | None = None
     """Ledger lines written before this checkpoint; resume drops the lines after them."""
+    records_lines: int | None = None
+    """Rollout record lines written before this checkpoint; resume drops the lines after them."""
 
 
 class RunDirectory:
@@ -79,6 +82,8 @@ class RunDirectory:
         self.ledger_path = path / "ledger.jsonl"
         self.ledger_lines = 0
         """Lines in the ledger: those kept on resume plus those appended since."""
+        self.records_lines = 0
+        """Rollout record lines kept on resume (`unified.records`)."""
         self.resumed_step: int | None = None
         """With resume: the checkpoint's step (-1 without one); later steps' metrics are redone."""
         self.created = False
@@ -144,6 +149,11 @@ class RunDirectory:
             self.resumed_step = state.step if state else -1
             self._truncate_ledger(state)
             self._truncate_metrics(self.resumed_step)
+            if state is None or state.records_lines is not None:  # (older checkpoints: all)
+                lines = state.records_lines if state is not None else 0
+                self.records_lines = truncate_records(self.path, lines or 0)
+            else:
+                self.records_lines = truncate_records(self.path, 1 << 62)
             for tmp in self.checkpoints.glob(".tmp-step_*"):
                 shutil.rmtree(tmp)
         return checkpoint

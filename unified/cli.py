@@ -1,4 +1,4 @@
-"""The `unified` command: `train`, `sft`, `eval` and `plot` (`unified --help`).
+"""The `unified` command: `train`, `sft`, `eval`, `plot` and `report` (`unified --help`).
 
 A usage error (bad config, data, import path or capability) prints one line and exits 2;
 a run that cannot make progress exits 1 with the reason; Ctrl-C exits 130 and SIGTERM 143 (during
@@ -58,6 +58,11 @@ def _parser(contributed: Sequence[str] = ()) -> argparse.ArgumentParser:
     plot = commands.add_parser("plot", help="draw a run's curves into a PNG")
     plot.add_argument("run_dir", help="the run directory, runs/<name>")
     plot.add_argument("--output", help="PNG path (default: <run_dir>/curves.png)")
+    report = commands.add_parser(
+        "report", help="write a run's report.html: curves, timeline, episodes (no network)"
+    )
+    report.add_argument("run_dir", help="the run directory, runs/<name>")
+    report.add_argument("--output", help="HTML path (default: <run_dir>/report.html)")
     return parser
 
 
@@ -104,9 +109,27 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _sft(args.config, args.overrides, output=args.output)
     if args.command == "eval":
         return _eval(args.config, args.overrides, checkpoint=args.checkpoint, json_path=args.json)
+    if args.command == "report":
+        return _report(args.run_dir, args.output)
     from unified.plot import plot_run
 
     print(plot_run(args.run_dir, args.output))
+    return 0
+
+
+def _report(run_dir: str, output: str | None) -> int:
+    from pathlib import Path
+
+    from unified.report import write_report
+
+    if not Path(run_dir).is_dir():
+        raise UsageError(f"{run_dir!r} is not a directory; give a run directory, runs/<name>")
+    if output and not Path(output).parent.is_dir():
+        raise UsageError(f"--output {output!r}: its folder does not exist; create it first")
+    path, warnings = write_report(run_dir, output)
+    for warning in warnings:
+        print(f"unified report: {warning}", file=sys.stderr)
+    print(f"wrote {path}; open it in a browser (file://{path.resolve()})")
     return 0
 
 

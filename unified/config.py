@@ -335,6 +335,24 @@ class LoggingConfig(_Section):
     tensorboard: bool = Field(False, description="Write TensorBoard event files.")
     wandb: bool = Field(False, description="Log to Weights & Biases (offline without a key).")
     wandb_project: str = Field("unified", description="W&B project name.")
+    records: bool = Field(
+        True,
+        description="Write rollout records to runs/<name>/records/: sampled episodes, every "
+        "evaluation episode, the timeline of steps (`unified report` shows them).",
+    )
+    record_every: int = Field(
+        16,
+        ge=0,
+        description="Rollout records: every Nth dispatched group has its episodes written to "
+        "runs/<name>/records/, whatever its outcome (1: all; 0: none).",
+    )
+    record_eval: bool = Field(True, description="Rollout records: every evaluation episode.")
+    records_max_mb: float = Field(
+        64.0,
+        gt=0,
+        description="Bound on runs/<name>/records/ (gzip-compressed): files rotate at 1/8 of "
+        "it, and the oldest are removed past it.",
+    )
 
 
 class TrainerConfig(_Section):

@@ -60,11 +60,13 @@ async def evaluate(
     version: int,
     timeout_s: float,
     slots: WorkflowSlots,
+    keep: list[tuple[Task, Episode]] | None = None,
 ) -> dict[str, float]:
     """`eval/accuracy`, `eval/reward`, `eval/errors`, `time/eval` (and the tool-call metrics).
 
     Each run holds one of `slots`: the trainer passes its own, so evaluation shares
-    `max_concurrency` and `dispatch_rate` with training.
+    `max_concurrency` and `dispatch_rate` with training. `keep` gets each task with its episode
+    (the trainer records them).
     """
     started = time.monotonic()
     episodes: list[Episode] = []
@@ -77,6 +79,8 @@ async def evaluate(
                 workflow, task, view, rollout_index=0, version=version, deadlines=deadlines
             )
         episodes.append(episode)
+        if keep is not None:
+            keep.append((task, episode))
 
     async with workflow_serving(workflow), asyncio.TaskGroup() as tg:
         for index, task in enumerate(tasks):
@@ -99,6 +103,7 @@ async def evaluate_for(
     *,
     version: int,
     slots: WorkflowSlots,
+    keep: list[tuple[Task, Episode]] | None = None,
 ) -> dict[str, float]:
     """`evaluate` with a run's settings: `sampling.eval`, `trainer.seed` and the workflow
     deadline (`trainer.workflow_timeout_s`); the trainer and `unified eval` both call it."""
@@ -111,6 +116,7 @@ async def evaluate_for(
         version=version,
         timeout_s=config.trainer.workflow_timeout_s,
         slots=slots,
+        keep=keep,
     )
 
 

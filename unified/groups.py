@@ -50,6 +50,11 @@ class GroupTicket:
     # The rewards of all its usable episodes, set when it ends ready: with `keep_per_group` the
     # group trains on fewer, and the reward metrics still cover every one.
     rewards: tuple[float, ...] = field(default=(), compare=False)
+    # Every episode it finished, set when it ends ready: the rollout records show them all.
+    episodes: tuple[Episode, ...] = field(default=(), compare=False)
+    dispatched: float = field(default=0.0, compare=False)
+    """Wall-clock time of its dispatch (`time.time()`), for the rollout records' timeline."""
+    task: Task | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,8 @@ class EndedGroup:
     policy_version: int
     reason: str
     rewards: tuple[float, ...]
+    episodes: tuple[Episode, ...] = ()
+    """The episodes it finished (the rollout records show them)."""
 
 
 class TrajectoryGroupBuffer:
@@ -187,7 +194,14 @@ class TrajectoryGroupBuffer:
             seq = self._new_seq() if old_seq is None else old_seq
         else:
             task, seq = self._sampler.next(), self._new_seq()
-        ticket = GroupTicket(self.coordinator.admit(), seq, f"g{seq:06d}-{task.id}", task.id)
+        ticket = GroupTicket(
+            self.coordinator.admit(),
+            seq,
+            f"g{seq:06d}-{task.id}",
+            task.id,
+            dispatched=time.time(),
+            task=task,
+        )
         self._tasks[ticket.group_id] = (task, seq)
         self._episodes[ticket.group_id] = []
         self._rollouts[ticket.group_id] = (ticket, [])
@@ -276,7 +290,9 @@ class TrajectoryGroupBuffer:
             f"dispatched at version {ticket.version}, {why} with {finished} of "
             f"{self.group_size} episodes done; its task is dispatched again"
         )
-        self._ended.append(EndedGroup(ticket, "requeued", ticket.version, reason, ()))
+        self._ended.append(
+            EndedGroup(ticket, "requeued", ticket.version, reason, (), tuple(episodes))
+        )
 
     def take_discarded(self) -> dict[str, float]:
         """Generation of groups requeued as late since the last call: episodes finished and
@@ -324,10 +340,12 @@ class TrajectoryGroupBuffer:
         rewards = [e.reward for e in usable]
         if len(usable) < min(2, self.group_size):
             reason = f"{len(episodes) - len(usable)} of {len(episodes)} episodes failed"
-            self._end_untrained(EndedGroup(ticket, "failed", oldest, reason, tuple(rewards)))
+            ended = EndedGroup(ticket, "failed", oldest, reason, tuple(rewards), tuple(episodes))
+            self._end_untrained(ended)
         elif self.filter_groups and len(usable) > 1 and max(rewards) == min(rewards):
             reason = f"all rewards {rewards[0]:g}"
-            self._end_untrained(EndedGroup(ticket, "filtered", oldest, reason, tuple(rewards)))
+            ended = EndedGroup(ticket, "filtered", oldest, reason, tuple(rewards), tuple(episodes))
+            self._end_untrained(ended)
         else:
             self.unproductive_in_a_row = self.failed_in_a_row = 0
             kept = usable
@@ -340,7 +358,8 @@ class TrajectoryGroupBuffer:
                 policy_version=oldest,
                 group_id=ticket.group_id,
             )
-            heapq.heappush(self._ready, (replace(ticket, rewards=tuple(rewards)), group))
+            done = replace(ticket, rewards=tuple(rewards), episodes=tuple(episodes))
+            heapq.heappush(self._ready, (done, group))
 
     def _end_untrained(self, ended: EndedGroup) -> None:
         self.unproductive_in_a_row += 1

@@ -21,16 +21,17 @@ from pathlib import Path
 from unified.checkpoint import RunDirectory
 from unified.config import TrainerConfig
 from unified.errors import TrainingStopped
-from unified.evaluation import evaluate_for
+from unified.evaluation import evaluate_for, is_correct
 from unified.executors import fewer_young_collections, rollout_executor
-from unified.groups import GroupTicket, TrajectoryGroupBuffer
+from unified.groups import EndedGroup, GroupTicket, TrajectoryGroupBuffer
 from unified.metrics import MetricsAggregator
 from unified.recorder import StepRecorder
+from unified.records import RecordWriter, StepTimeline
 from unified.rollout import EngineClock, WorkflowFn, WorkflowSlots, episode_seed
 from unified.schedule import EntropyControl, learning_rate
 from unified.session import BackendSession
 from unified.stopping import GracefulStop, StepAbandoned, no_signal_message
-from unified.types import Task, TrajectoryGroup
+from unified.types import Episode, Task, TrajectoryGroup
 
 __all__ = ["TrainingLoop"]
 
@@ -62,6 +63,16 @@ class TrainingLoop:
         self.rollouts = rollout_executor(config, workflow, backend, self.engine_clock)  # may refuse
         self.groups = TrajectoryGroupBuffer.for_config(config, train_tasks, run.append_ledger)
         self.recorder = StepRecorder(config, metrics)  # starts the metrics writer thread
+        logging = config.logging
+        self.records = RecordWriter(  # starts the records writer thread
+            run.path,
+            every=logging.record_every,
+            eval_episodes=logging.record_eval,
+            max_mb=logging.records_max_mb,
+            lines=run.records_lines,
+            enabled=logging.records,
+        )
+        self.timeline = StepTimeline()
         self.slots = WorkflowSlots.for_config(config)
         self.calls = session.calls
         self.step = 0
@@ -99,6 +110,8 @@ class TrainingLoop:
                 self.entropy.coef = state.entropy_coef
         if self.entropy.adaptive:
             self.backend.set_entropy_coef(self.entropy.coef)
+        self.records.tokenizer = self.backend.token_sampler().tokenizer
+        self.records.run_started(self.step, self.config.mode, self.config.backend)
         stopping = self.stop_signal is not None
         if self.step == 0 and settings.eval_before_train and self.eval_tasks and not stopping:
             await self.recorder.log(self.step, await self._evaluate())
@@ -139,8 +152,11 @@ class TrainingLoop:
         return self.step >= self.config.trainer.total_steps or self._time_up
 
     async def close(self) -> None:
-        """Finish the metrics writes, then close every sink."""
-        await self.recorder.close(self.step)
+        """Finish the metrics and records writes, then close every sink."""
+        try:
+            await self.recorder.close(self.step)
+        finally:
+            await self.records.close(self.config.trainer.stall_timeout_s)
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -181,43 +197,41 @@ class TrainingLoop:
         """Take `batch_size` ready groups (training them as they come in async mode), then step."""
         batch = self.config.trainer.batch_size
         items: list[Item] = []
-        wait_s = forward_s = 0.0
+        timeline = self.timeline
         while len(items) < batch:
-            started = time.monotonic()
-            items.append(await self.stop.next_ready(self.groups, batch - len(items)))
-            wait_s += time.monotonic() - started
+            with timeline.span("wait"):
+                items.append(await self.stop.next_ready(self.groups, batch - len(items)))
             self._want_groups(taken=len(items))
-            self.recorder.ended(await self.groups.write_ended(self.step + 1))
+            await self._write_ended(self.step + 1)
             if len(items) % self._train_every == 0 or len(items) == batch:
                 first = (len(items) - 1) // self._train_every * self._train_every
-                started = time.monotonic()  # forward_backward in dispatch order
+                # forward_backward in dispatch order
                 ready = [group for _, group in sorted(items[first:], key=lambda item: item[0])]
-                for reply in await self.calls.forward_backward(ready, self._per_call):
-                    self.recorder.forward_reply(reply)
-                forward_s += time.monotonic() - started
-        await self._finish_step(items, forward_s=forward_s, wait_s=wait_s)
+                with timeline.span("forward"):
+                    for reply in await self.calls.forward_backward(ready, self._per_call):
+                        self.recorder.forward_reply(reply)
+        await self._finish_step(items)
 
-    async def _finish_step(self, items: list[Item], *, forward_s: float, wait_s: float) -> None:
+    async def _finish_step(self, items: list[Item]) -> None:
         """Optimizer step, ledger, weight sync when due, metrics, eval, save."""
         settings = self.config.trainer
+        timeline = self.timeline
         items.sort(key=lambda item: item[0])
         trained_at = self.groups.version
-        started = time.monotonic()
-        self.backend.set_learning_rate(learning_rate(settings, self.step))
-        reply = await self.calls.metrics("optim_step", self.backend.optim_step)
-        reason = self.recorder.optim_reply(reply)
-        train_s = forward_s + time.monotonic() - started
+        with timeline.span("optim"):
+            self.backend.set_learning_rate(learning_rate(settings, self.step))
+            reply = await self.calls.metrics("optim_step", self.backend.optim_step)
+            reason = self.recorder.optim_reply(reply)
         self.step += 1
         await self.groups.write_trained(items, self.step, trained_at, reason=reason)
-        sync_s = 0.0
+        self._record_trained(items, trained_at)
         if (version := self.groups.after_step(self.step)) is not None:
-            synced = time.monotonic()
-            await self.calls.on_policy_updated(version)  # running workflows carry on
-            self.groups.open_window(version)
-            sync_s = time.monotonic() - synced
+            with timeline.span("sync"):
+                await self.calls.on_policy_updated(version)  # running workflows carry on
+                self.groups.open_window(version)
         if self.step >= settings.total_steps:
             self.groups.end_run()
-        self.recorder.ended(await self.groups.write_ended(self.step))  # the requeued, if any
+        await self._write_ended(self.step)  # the requeued, if any
         self._want_groups()
         # Decided once per step, so the final eval and save see the same answer as the loop.
         self._time_up = self.recorder.time_up()
@@ -226,11 +240,12 @@ class TrainingLoop:
             items,
             self.groups,
             trained_at,
-            wait_s=wait_s,
-            train_s=train_s,
-            sync_s=sync_s,
+            wait_s=timeline.seconds("wait"),
+            train_s=timeline.seconds("forward") + timeline.seconds("optim"),
+            sync_s=timeline.seconds("sync"),
             engine_idle_s=self.engine_clock.take_idle_seconds(),
         )
+        self.records.step(self.step, timeline.take(), trained_at=trained_at, synced_to=version)
         if self.entropy.adaptive:  # the coefficient this step trained with, then the next one
             metrics["train/entropy_coef"] = self.entropy.coef
             self.backend.set_entropy_coef(self.entropy.update(metrics.get("train/entropy")))
@@ -252,16 +267,54 @@ class TrainingLoop:
 
     async def _evaluate(self) -> dict[str, float]:
         sampler, version = self.backend.token_sampler(), self.groups.version
-        return await evaluate_for(
-            self.config, self.workflow, sampler, self.eval_tasks, version=version, slots=self.slots
+        episodes: list[tuple[Task, Episode]] | None = [] if self.records.eval_episodes else None
+        started = time.time()
+        metrics = await evaluate_for(
+            self.config,
+            self.workflow,
+            sampler,
+            self.eval_tasks,
+            version=version,
+            slots=self.slots,
+            keep=episodes,
         )
+        scored = [(task, e, is_correct(e)) for task, e in episodes or ()]
+        self.records.evaluated(
+            self.step, started, time.time(), metrics["eval/accuracy"], scored, version
+        )
+        return metrics
+
+    async def _write_ended(self, step: int) -> None:
+        """The ledger lines (and records) of the groups that ended untrained, in `step`."""
+        ended: list[EndedGroup] = await self.groups.write_ended(step)
+        self.recorder.ended(ended)
+        version = self.groups.version
+        for group in ended:
+            if self.records.records_group(group.ticket.seq):
+                self.records.group(step, group.ticket, group.outcome, version, group.episodes)
+
+    def _record_trained(self, items: Sequence[Item], trained_at: int) -> None:
+        for ticket, group in items:
+            if self.records.records_group(ticket.seq):
+                advantages = {
+                    e.rollout_index: a
+                    for e, a in zip(group.episodes, group.advantages, strict=True)
+                }
+                self.records.group(
+                    self.step, ticket, "trained", trained_at, ticket.episodes, advantages
+                )
 
     async def _save(self) -> None:
+        timeout_s = self.config.trainer.stall_timeout_s
         await self.recorder.drain(self.step)  # the metrics of every step the checkpoint holds
+        records_lines = await self.records.drain(timeout_s)  # and its records
         state = self.groups.checkpoint_state(self.step, self.run_dir.ledger_lines)
+        state.records_lines = records_lines
         if self.entropy.adaptive:
             state.entropy_coef = self.entropy.coef
+        started = time.time()
         await self.run_dir.save_checkpoint(state, self.session.save_checkpoint)
+        self.records.saved(self.step, started, time.time())
         self._saved_step = self.step
 
     def describe(self) -> str:

@@ -26,7 +26,15 @@ from unified.chat import chat_prompt_ids
 from unified.errors import BackendReplyError, UsageError, WorkflowError
 from unified.imports import import_object
 from unified.protocol import RolloutEngine, Tokenizer, TokenSampler
-from unified.types import Episode, EpisodeStatus, ModelOutput, SamplingParams, Task, Trajectory
+from unified.types import (
+    Episode,
+    EpisodeStatus,
+    EpisodeTiming,
+    ModelOutput,
+    SamplingParams,
+    Task,
+    Trajectory,
+)
 
 if TYPE_CHECKING:
     from unified.config import TrainerConfig
@@ -109,6 +117,8 @@ class SamplingEngine(RolloutEngine):
         self._clock = clock
         self._calls = 0
         self.completion_tokens = 0
+        self.call_times: list[tuple[float, float]] = []
+        """Each request's wall-clock send and reply times, in order (the episode's timing)."""
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -140,8 +150,10 @@ class SamplingEngine(RolloutEngine):
         return await self._sample(prompt_ids, self._params(sampling))
 
     async def _sample(self, prompt_ids: list[int], params: SamplingParams) -> ModelOutput:
+        sent = time.time()
         with contextlib.nullcontext() if self._clock is None else self._clock.busy():
             output = await self._sampler.sample(prompt_ids, params)
+        self.call_times.append((sent, time.time()))
         if not isinstance(output, ModelOutput):
             raise BackendReplyError(
                 f"token sampler returned {type(output).__name__}, not ModelOutput (fix the "
@@ -406,6 +418,7 @@ class InProcessRollouts:
 
     async def run(self, task: Task, index: int, *, version: int, seed: int) -> EpisodeResult:
         engine = SamplingEngine(self._sampler(), self._sampling, seed, self._clock)
+        started = time.time()
         episode, error = await run_episode(
             self._workflow,
             task,
@@ -413,6 +426,9 @@ class InProcessRollouts:
             rollout_index=index,
             version=version,
             deadlines=self._deadlines,
+        )
+        episode.timing = EpisodeTiming.model_construct(  # our own floats: nothing to validate
+            started=started, ended=time.time(), calls=engine.call_times
         )
         return episode, error, engine.completion_tokens
 

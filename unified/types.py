@@ -28,6 +28,7 @@ from pydantic_core import core_schema
 __all__ = [
     "Episode",
     "EpisodeStatus",
+    "EpisodeTiming",
     "FinishReason",
     "ModelOutput",
     "SamplingParams",
@@ -279,6 +280,16 @@ class Trajectory(_Model):
         return runs
 
 
+class EpisodeTiming(_Model):
+    """When one rollout ran, in wall-clock seconds (`time.time()`), as its runner saw it: the
+    workflow's start and end, and each model call's request and reply. The rollout records'
+    timeline draws it; nothing trains on it."""
+
+    started: float
+    ended: float
+    calls: list[tuple[float, float]] = Field(default_factory=list)
+
+
 class Episode(_Model):
     """One workflow run on one task, as the trainer recorded it."""
 
@@ -289,6 +300,7 @@ class Episode(_Model):
     error: str | None = None
     policy_version: int = 0
     metrics: dict[str, float] = Field(default_factory=dict)
+    timing: EpisodeTiming | None = None
 
     @property
     def reward(self) -> float:

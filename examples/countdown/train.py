@@ -6,7 +6,8 @@ Trains with `UnifiedTrainer`, which builds the warm start on first use (the conf
 provider, `examples.countdown.prepare:warmstart_model`), then prints the greedy eval accuracy
 before and after training (the mean of the last evaluations), for the tool agent
 (`local_tool_*.yaml`) its calc calls per episode and their well-formed share too, the two
-baselines it must beat, and where the reward-curve PNG and the final checkpoint are.
+baselines it must beat, and where the reward-curve PNG, the report (`unified report`: curves,
+timeline, every recorded episode) and the final checkpoint are.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from unified.errors import TrainingInterrupted, UsageError
 from unified.imports import import_object
 from unified.model_provider import resolve_model
 from unified.plot import plot_run
+from unified.report import write_report
 from unified.trainer import UnifiedTrainer
 from workflows.tools import ToolWorkflow
 
@@ -84,6 +86,7 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
     attempts = _attempts(config)
     reference = baselines(trainer.eval_tasks, attempts=attempts)
     curves = plot_run(result.run_dir)
+    report, _ = write_report(result.run_dir)
     n = len(trainer.eval_tasks)
     built = (
         f" (after {build_minutes:.1f} min building the warm start)" if build_minutes > 0.05 else ""
@@ -121,6 +124,7 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
         f"{best_pattern_by_target_band(trainer.eval_tasks):.1%}"
     )
     print(f"  reward curves: {curves}")
+    print(f"  report (open in a browser): {report}")
     checkpoint = RunDirectory(result.run_dir).latest_checkpoint()
     if checkpoint is not None:
         print(f"  final checkpoint: {checkpoint}")

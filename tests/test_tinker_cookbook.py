@@ -1,13 +1,15 @@
 """tinker-cookbook's own loops, unmodified, against the local Tinker server (`tinker-serve`).
 
 The pinned release (tinker-cookbook 0.6.1, which the README's install command adds) runs its RL
-loop (sync, resumed from its `checkpoints.jsonl`, and async off-policy), its SFT loop and its
-weights download through the real tinker SDK against a server on 127.0.0.1 serving the built-in
-tiny model, offline. The tests assert what the cookbook itself reads back: its checkpoint records,
-the step it resumes at, rolling checkpoints deleted on the server, a sampler on its final
-checkpoint, an exported model directory that loads into the local backend. The environment is
-`examples/tinker_cookbook/digits_rl.py`'s: the cookbook's own `ProblemEnv` with a reward the
-untrained tiny model earns about half the time, so groups have non-zero advantages.
+loop (sync, resumed from its `checkpoints.jsonl`, and async off-policy), its SFT loop, its
+distillation recipes (`train_off_policy` and `sdft`: soft `(N, K)` targets from a teacher's top-K)
+and its weights download through the real tinker SDK against a server on 127.0.0.1 serving the
+built-in tiny model, offline. The tests assert what the cookbook itself reads back: its
+checkpoint records, the step it resumes at, rolling checkpoints deleted on the server, a sampler
+on its final checkpoint, an exported model directory that loads into the local backend, the
+losses it logs. The environment is `examples/tinker_cookbook/digits_rl.py`'s: the cookbook's own
+`ProblemEnv` with a reward the untrained tiny model earns about half the time, so groups have
+non-zero advantages.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +35,23 @@ import chz
 import tinker
 import tinker_cookbook
 import torch
-from tinker_cookbook import checkpoint_utils, weights
+from tinker_cookbook import checkpoint_utils, renderers, weights
+from tinker_cookbook.distillation import sdft, train_off_policy
+from tinker_cookbook.distillation.datasets import TeacherConfig
 from tinker_cookbook.rl import train as rl_train
+from tinker_cookbook.rl.problem_env import ProblemGroupBuilder
+from tinker_cookbook.rl.types import EnvGroupBuilder
 from tinker_cookbook.supervised import train as sft_train
 from tinker_cookbook.supervised.data import FromConversationFileBuilder
-from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+from tinker_cookbook.supervised.types import (
+    ChatDatasetBuilderCommonConfig,
+    SupervisedDataset,
+    SupervisedDatasetBuilder,
+)
+from tinker_cookbook.tokenizer_utils import get_tokenizer
 from tinker_cookbook.utils import cost_estimation
 
-from examples.tinker_cookbook.digits_rl import RENDERER, CLIConfig, build_config
+from examples.tinker_cookbook.digits_rl import RENDERER, CLIConfig, DigitEnv, build_config
 from tinker_server.server import LocalServer
 from torchkit.builtin import load_policy
 
@@ -243,3 +255,152 @@ def test_the_sft_loop_lowers_its_loss_and_its_checkpoint_downloads_as_a_model_di
         if not torch.equal(tensor, base.state_dict()[name])
     ]
     assert moved, "the download holds the trained weights (adapters merged), not the base model"
+
+
+class _OneBatch(SupervisedDataset):
+    """The same batch at every index."""
+
+    def __init__(self, batch: list[tinker.Datum], n_batches: int) -> None:
+        self.batch, self.n_batches = batch, n_batches
+
+    def get_batch(self, index: int) -> list[tinker.Datum]:
+        return self.batch
+
+    def __len__(self) -> int:
+        return self.n_batches
+
+
+@chz.chz
+class FirstBatchRepeated(SupervisedDatasetBuilder):
+    """The cookbook's conversation dataset's first batch, `n_batches` times: every step distills
+    the same examples, so the loss on them can be compared from step to step."""
+
+    inner: FromConversationFileBuilder
+    n_batches: int
+
+    def __call__(self) -> tuple[SupervisedDataset, None]:
+        train, _ = self.inner()
+        return _OneBatch(train.get_batch(0), self.n_batches), None
+
+
+def top_k_cross_entropy(batch: list[tinker.Datum], k: int) -> float:
+    """The recipe's loss on `batch` while the student is still the base model (its teacher):
+    at every trained position, `-sum_k p_k * logp_k` over the base model's top-k tokens, `p` their
+    probabilities renormalised over the k (tinker-cookbook's `_collect_topk_for_datum`)."""
+    model, _ = load_policy("builtin:tiny")
+    total = 0.0
+    with torch.no_grad():
+        for datum in batch:
+            ids = torch.tensor(datum.model_input.to_ints())[None]
+            logp_NV = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            top_NK = logp_NV.topk(k, dim=-1).values
+            p_NK = torch.softmax(top_NK, -1)
+            trained_N = datum.loss_fn_inputs["weights"].to_torch() > 0
+            total -= float((p_NK * top_NK).sum(-1)[trained_N].sum())
+    return total
+
+
+def test_off_policy_distillation_trains_on_the_teachers_top_k_soft_targets(
+    served: Served, tmp_path: Path
+) -> None:
+    """`distillation.train_off_policy`: the teacher (the base model, sampled with
+    `topk_prompt_logprobs`) turns each SFT datum into `(N, K)` `target_tokens` and `weights`,
+    and `cross_entropy` trains the student on them."""
+    conversations = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
+    common = ChatDatasetBuilderCommonConfig(
+        model_name_for_tokenizer=served.model_name,
+        renderer_name=RENDERER,
+        max_length=128,
+        batch_size=4,
+    )
+    dataset = FirstBatchRepeated(
+        inner=FromConversationFileBuilder(common_config=common, file_path=str(conversations)),
+        n_batches=4,
+    )
+    config = train_off_policy.Config(
+        learning_rate=1e-2,
+        dataset_configs=[
+            train_off_policy.DatasetWithTeacher(
+                dataset_builder=dataset, teacher_config=TeacherConfig(base_model=served.model_name)
+            )
+        ],
+        model_name=served.model_name,
+        recipe_name="unified_test",
+        renderer_name=RENDERER,
+        lora_rank=4,
+        n_teacher_targets=4,
+        batch_size=4,
+        save_every=2,
+        eval_every=0,
+        log_path=str(tmp_path / "distill"),
+        base_url=served.url,
+    )
+    asyncio.run(train_off_policy.main(config))
+
+    losses = [
+        row["train/loss:sum"]
+        for row in jsonl(tmp_path / "distill" / "metrics.jsonl")
+        if "train/loss:sum" in row
+    ]
+    assert len(losses) == 4, losses
+    batch, _ = dataset()
+    expected = top_k_cross_entropy(batch.get_batch(0), k=4)
+    assert losses[0] == pytest.approx(expected, rel=1e-4), (
+        "step 0 (student = teacher): the top-4 soft-target cross-entropy, summed"
+    )
+    assert losses[-1] < losses[0] - 50, f"the student moves toward the teacher's top 4: {losses}"
+    last = checkpoint_utils.get_last_checkpoint(str(tmp_path / "distill"))
+    assert last is not None and last.batch == 4, last
+
+
+@dataclass
+class DigitDemonstrations:
+    """SDFT's batches: the digits question twice per batch, each with "7" as the golden answer
+    the teacher sees."""
+
+    renderer: renderers.Renderer
+    n_batches: int
+
+    def get_batch(self, index: int) -> tuple[Sequence[EnvGroupBuilder], list[str], list[str]]:
+        env = partial(DigitEnv, self.renderer, format_coef=0.0)
+        builders = [ProblemGroupBuilder(env, 2) for _ in range(2)]
+        return builders, ["Say a digit."] * 2, ["7"] * 2
+
+    def __len__(self) -> int:
+        return self.n_batches
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward KL", "reverse KL"])
+def test_sdft_distills_the_teachers_top_k_on_policy(
+    served: Served, tmp_path: Path, reverse: bool
+) -> None:
+    """`distillation.sdft`: the student samples, the teacher (the base model, shown the golden
+    answer) scores its top 4 at every completion position; forward KL trains `cross_entropy` on
+    `(N, 4)` soft targets, reverse KL a client-side loss through `forward_backward_custom`, whose
+    mostly-zero `(N, 4)` gradient weights the SDK sends as CSR."""
+    renderer = renderers.get_renderer(RENDERER, get_tokenizer(served.model_name))
+    config = sdft.Config(
+        model_name=served.model_name,
+        recipe_name="unified_test",
+        renderer_name=RENDERER,
+        lora_rank=4,
+        base_url=served.url,
+        learning_rate=1e-4,
+        max_tokens=8,
+        topk=4,
+        reverse=reverse,
+        eval_every=0,
+        save_every=0,
+        log_path=str(tmp_path / "sdft"),
+    )
+    asyncio.run(sdft.main(config, DigitDemonstrations(renderer, n_batches=3)))
+
+    rows = [row for row in jsonl(tmp_path / "sdft" / "metrics.jsonl") if "sdft/topk" in row]
+    assert [row["sdft/topk"] for row in rows] == [4.0] * 3, rows
+    trained = "sdft/reverse_kl_positions" if reverse else "sdft/total_completion_tokens"
+    assert all(row[trained] > 0 for row in rows), f"every step trains on {trained}: {rows}"
+    if reverse:
+        # The custom loss's surrogate ran on the server: its (N, 4) weights arrived as CSR.
+        assert all(row["surrogate_loss:sum"] > 0 for row in rows), rows
+    last = checkpoint_utils.get_last_checkpoint(str(tmp_path / "sdft"))
+    assert last is not None and last.batch == 3, last

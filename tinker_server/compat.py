@@ -163,7 +163,8 @@ METHODS: dict[str, Support] = {
 """Every public, non-deprecated method of the pinned SDK's clients, and what the server does."""
 
 LOSS_NOTES: dict[str, str] = {
-    "cross_entropy": "one target per position (2-D soft targets refused)",
+    "cross_entropy": "`-sum(w * logp)`; soft targets, `(N, K)` `target_tokens` and `weights`: "
+    "`-sum(w[n, k] * logp(target[n, k]))`, `logprobs` `(N, K)`",
     "importance_sampling": "`-sum(exp(logp - q) * A)`",
     "ppo": "clip thresholds (default 0.8 / 1.2) symmetric around 1",
     "cispo": "clip thresholds (default 0.8 / 1.2) symmetric around 1",

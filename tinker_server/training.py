@@ -2,11 +2,15 @@
 
 Semantics follow the service: position i of a datum's input predicts `target_tokens[i]`; every
 loss is a token-level **sum** (`loss:sum`), with per-token `advantages` (0 on prompt positions)
-and per-token `weights` for `cross_entropy`. Gradients of several `forward_backward` calls
-accumulate until `optim_step` (AdamW with the request's hyperparameters). Scoring, the per-token
-policy losses and the optimizer step are the torch kit's (`torchkit.scoring`, `.losses`,
-`.optim`), as the local backend's. Every method blocks: the server calls them from a worker
-thread, one at a time per model.
+and per-token `weights` for `cross_entropy`. `cross_entropy` also takes soft targets, `(N, K)`
+`target_tokens` and `weights` (tinker-cookbook's distillation recipes): position i's loss is
+`-sum_k weights[i, k] * logp(target_tokens[i, k])`, and the datum's output `logprobs` is `(N, K)`,
+the logprob of each target. The service's code is not public: this is what the SDK's
+`forward_backward_custom` and the cookbook's distillation rely on (docs/backends/tinker.md).
+Gradients of several `forward_backward` calls accumulate until `optim_step` (AdamW with the
+request's hyperparameters). Scoring, the per-token policy losses and the optimizer step are the
+torch kit's (`torchkit.scoring`, `.losses`, `.optim`), as the local backend's. Every method
+blocks: the server calls them from a worker thread, one at a time per model.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torchkit.scoring import score_tokens
 __all__ = [
     "LOSS_INPUTS",
     "REFUSED_LOSSES",
+    "SOFT_TARGET_INPUTS",
     "AdamSettings",
     "LoraSpec",
     "TrainingModel",
@@ -53,6 +58,12 @@ LOSS_INPUTS: dict[str, frozenset[str]] = {
 OPTIONAL_INPUTS: dict[str, frozenset[str]] = {"gspo": frozenset({"sequence_ratio_mask"})}
 """Inputs a loss also takes. `gspo` without `sequence_ratio_mask`: the positions whose sampler
 logprob is not 0 (prompt positions carry 0), i.e. the sampled tokens."""
+
+SOFT_TARGET_INPUTS: dict[str, frozenset[str]] = {
+    "cross_entropy": frozenset({"target_tokens", "weights"}),
+}
+"""The inputs that may be `(N, K)`, K targets per position (always together, of one shape); every
+other input is `(N,)`."""
 
 REFUSED_LOSSES: dict[str, str] = {
     "stable_reinforce": "its objective is not published (the service computes it from "
@@ -125,34 +136,34 @@ class TrainingModel:
     ) -> tuple[list[np.ndarray], dict[str, float]]:
         """Per-datum logprobs of the target tokens and `loss:sum`; accumulates gradients."""
         settings = _settings(loss_fn, loss_fn_config)
+        vocab_size = int(self.model.config.vocab_size)
         for i, datum in enumerate(data):
-            _check_datum(i, datum, loss_fn)
+            _check_datum(i, datum, loss_fn, vocab_size)
         outputs: list[np.ndarray] = []
         loss_sum = 0.0
         for start in range(0, len(data), _MICRO_BATCH):
             chunk = data[start : start + _MICRO_BATCH]
             with torch.set_grad_enabled(not forward_only):
-                logp_T = self._target_logprobs(chunk)
-                loss = self._loss(chunk, loss_fn, logp_T, settings)
+                logp_D = self._target_logprobs(chunk)
+                loss = self._loss(chunk, loss_fn, logp_D, settings)
                 if not forward_only and loss.requires_grad:
                     loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += float(loss.detach())
-            detached = logp_T.detach().float().cpu()
-            lengths = [len(d.tokens) for d in chunk]
-            outputs += [t.numpy().copy() for t in torch.split(detached, lengths)]
+            outputs += [logp.detach().float().cpu().numpy().copy() for logp in logp_D]
         return outputs, {"loss:sum": loss_sum}
 
-    def _target_logprobs(self, chunk: list[WireDatum]) -> torch.Tensor:
-        """Logprobs of every datum's target tokens (position i predicts `target_tokens[i]`),
-        concatenated in datum order."""
+    def _target_logprobs(self, chunk: list[WireDatum]) -> list[torch.Tensor]:
+        """Each datum's logprobs of its target tokens (position i predicts `target_tokens[i]`),
+        shaped as its `target_tokens`: `(N,)`, or `(N, K)` for K soft targets per position."""
         width = max(len(d.tokens) for d in chunk)
         ids_BL = torch.zeros(len(chunk), width, dtype=torch.long)
         targets_BL = torch.zeros(len(chunk), width, dtype=torch.long)
         mask_BL = torch.zeros(len(chunk), width, dtype=torch.long)
         for b, d in enumerate(chunk):
             n = len(d.tokens)
+            targets = d.inputs["target_tokens"].astype(np.int64)
             ids_BL[b, :n] = torch.from_numpy(d.tokens)
-            targets_BL[b, :n] = torch.from_numpy(d.inputs["target_tokens"].astype(np.int64))
+            targets_BL[b, :n] = torch.from_numpy(targets if targets.ndim == 1 else targets[:, 0])
             mask_BL[b, :n] = 1
         ids_BL, targets_BL, mask_BL = (t.to(self.device) for t in (ids_BL, targets_BL, mask_BL))
         valid_BL = mask_BL.bool()
@@ -165,15 +176,34 @@ class TrainingModel:
             targets_BL[valid_BL],
             attention_mask_BL=mask_BL,
         )
-        return scores.logp_T
+        lengths = [len(d.tokens) for d in chunk]
+        logp_D: list[torch.Tensor] = []
+        for d, logp_N, log_probs_NV in zip(
+            chunk,
+            torch.split(scores.logp_T, lengths),
+            torch.split(scores.log_probs_TV, lengths),
+            strict=True,
+        ):
+            targets = d.inputs["target_tokens"]
+            if targets.ndim == 2:
+                targets_NK = torch.from_numpy(targets.astype(np.int64)).to(self.device)
+                logp_D.append(log_probs_NV.gather(1, targets_NK))
+            else:
+                logp_D.append(logp_N)
+        return logp_D
 
     def _loss(
-        self, chunk: list[WireDatum], loss_fn: str, logp_T: torch.Tensor, settings: _Settings
+        self,
+        chunk: list[WireDatum],
+        loss_fn: str,
+        logp_D: list[torch.Tensor],
+        settings: _Settings,
     ) -> torch.Tensor:
         def flat(name: str) -> torch.Tensor:
-            values = np.concatenate([d.inputs[name] for d in chunk]).astype(np.float32)
-            return torch.from_numpy(values).to(self.device)
+            values = np.concatenate([d.inputs[name].reshape(-1) for d in chunk])
+            return torch.from_numpy(values.astype(np.float32)).to(self.device)
 
+        logp_T = torch.cat([logp.reshape(-1) for logp in logp_D])
         if loss_fn == "cross_entropy":
             return -(flat("weights") * logp_T).sum()
         old_T, adv_T = flat("logprobs"), flat("advantages")
@@ -332,7 +362,7 @@ def gspo_loss(
     return -torch.minimum(ratio_T * adv_T, ratio_T.clamp(low, high) * adv_T).sum()
 
 
-def _check_datum(index: int, datum: WireDatum, loss_fn: str) -> None:
+def _check_datum(index: int, datum: WireDatum, loss_fn: str, vocab_size: int) -> None:
     wanted = LOSS_INPUTS[loss_fn]
     optional = OPTIONAL_INPUTS.get(loss_fn, frozenset())
     got = set(datum.inputs)
@@ -348,6 +378,43 @@ def _check_datum(index: int, datum: WireDatum, loss_fn: str) -> None:
     for name, values in datum.inputs.items():
         if len(values) != n:
             raise UserError(
-                f"datum {index}: loss_fn_inputs[{name!r}] has {len(values)} entries for "
-                f"{n} input tokens"
+                f"datum {index}: loss_fn_inputs[{name!r}] has shape {values.shape} for {n} "
+                f"input tokens; its first dimension must be {n}, one entry per input position"
             )
+    _check_soft_targets(index, datum, loss_fn)
+    targets = datum.inputs["target_tokens"]
+    outside = targets[(targets < 0) | (targets >= vocab_size)]
+    if outside.size:
+        raise UserError(
+            f"datum {index}: target_tokens holds {int(outside[0])}, outside the model's "
+            f"vocabulary [0, {vocab_size}); drop or remap that token"
+        )
+
+
+def _check_soft_targets(index: int, datum: WireDatum, loss_fn: str) -> None:
+    """Only a loss's `SOFT_TARGET_INPUTS` may be `(N, K)`, all of one shape, K at least 1."""
+    soft = SOFT_TARGET_INPUTS.get(loss_fn, frozenset())
+    shapes = {name: values.shape for name, values in datum.inputs.items()}
+    for name, shape in shapes.items():
+        if len(shape) == 2 and name not in soft:
+            takes = (
+                f"only {sorted(soft)} take (N, K) soft targets"
+                if soft
+                else f"loss {loss_fn!r} takes no (N, K) inputs"
+            )
+            raise UserError(
+                f"datum {index}: loss_fn_inputs[{name!r}] has shape {shape}; {takes}: "
+                f"send ({shape[0]},)"
+            )
+    soft_shapes = {shapes[name] for name in soft if name in shapes}
+    if len(soft_shapes) > 1:
+        listed = " vs ".join(f"{name} {shapes[name]}" for name in sorted(soft))
+        raise UserError(
+            f"datum {index}: shapes differ, {listed}; send both (N,) or both (N, K) with one "
+            "K (pad a position's unused targets with weight 0)"
+        )
+    if any(len(shape) == 2 and shape[1] == 0 for shape in soft_shapes):
+        raise UserError(
+            f"datum {index}: soft targets of shape {soft_shapes.pop()} have K = 0; "
+            "send at least one target per position"
+        )

@@ -3,14 +3,19 @@
 Most bodies are JSON; `forward_backward` requests and the results of type
 `ForwardBackwardOutput` and `SampleResponse` are protobuf (`tinker.proto.tinker_public_pb2`,
 shipped with the SDK). Layouts (from the SDK's `proto/request_conv.py` and `response_conv.py`):
-tokens are int32 bytes; tensors are dense bytes with a dtype enum and a shape; per-datum outputs
-are one `ArrayRecord` whose `BatchedTensor` concatenates every datum's data with int64 byte
-offsets. Anything the server cannot read is a `WireError` (answered as a user error).
+tokens are int32 bytes; tensors are dense bytes (or, 2-D only, CSR: values, int64 row pointers
+and column indices, 0 elsewhere) with a dtype enum and a shape; per-datum outputs are
+`ArrayRecord`s whose `BatchedTensor` concatenates the data of consecutive datums of one trailing
+shape with int64 byte offsets, one record per run (`(N,)` outputs: trailing shape `[]`; soft-target
+`(N, K)` outputs: `[K]`). A loss input is `(N,)` or `(N, K)`; anything the server cannot read is
+a `WireError` (answered as a user error).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import groupby
+from typing import Any
 
 import numpy as np
 from tinker.proto import tinker_public_pb2 as public_pb
@@ -28,11 +33,14 @@ __all__ = [
 
 PROTOBUF = "application/x-protobuf"
 
-_NUMPY_OF_DTYPE = {
+_NUMPY_OF_DTYPE: dict[int, np.dtype[Any]] = {
     public_pb.DTYPE_FLOAT32: np.dtype(np.float32),
     public_pb.DTYPE_INT64: np.dtype(np.int64),
     public_pb.DTYPE_INT32: np.dtype(np.int32),
 }
+_MAX_DENSE_VALUES = 1 << 26
+"""The most values a sparse input may expand to (256 MiB of float32): a bound on what a small
+request can make the server allocate."""
 _STOP_REASON = {"stop": public_pb.STOP_REASON_STOP, "length": public_pb.STOP_REASON_LENGTH}
 
 
@@ -105,36 +113,87 @@ def _decode_datum(datum: public_pb.Datum) -> WireDatum:
 
 
 def _decode_tensor(name: str, tensor: public_pb.Tensor) -> np.ndarray:
+    """A loss input as an `(N,)` or `(N, K)` array (a CSR tensor densified with 0)."""
     dtype = _NUMPY_OF_DTYPE.get(tensor.dtype)
     if dtype is None:
         raise WireError(f"loss_fn_inputs[{name!r}] has unsupported dtype {tensor.dtype}")
-    if tensor.HasField("sparse_csr"):
-        raise WireError(f"loss_fn_inputs[{name!r}] is sparse; the server takes dense tensors")
-    if len(tensor.shape) > 1:
+    shape = [int(n) for n in tensor.shape]
+    if len(shape) > 2:
         raise WireError(
-            f"loss_fn_inputs[{name!r}] has shape {list(tensor.shape)}: 2-D inputs (soft-target "
-            "cross_entropy) are not served here; send one value per position"
+            f"loss_fn_inputs[{name!r}] has shape {shape}: {len(shape)}-D inputs are not served; "
+            "send one value per position (N,) or K soft targets per position (N, K)"
         )
+    if tensor.HasField("sparse_csr"):
+        return _decode_csr(name, tensor.sparse_csr, dtype, shape)
     array = np.frombuffer(tensor.dense, dtype=dtype)
-    if list(tensor.shape) and int(np.prod(tensor.shape)) != array.size:
-        raise WireError(f"loss_fn_inputs[{name!r}]: shape {list(tensor.shape)} vs {array.size}")
-    return array
+    if not shape:
+        return array
+    if int(np.prod(shape)) != array.size:
+        raise WireError(
+            f"loss_fn_inputs[{name!r}] declares shape {shape} but holds {array.size} values"
+        )
+    return array.reshape(shape)
+
+
+def _decode_csr(
+    name: str, csr: public_pb.SparseCsr, dtype: np.dtype[Any], shape: list[int]
+) -> np.ndarray:
+    """A CSR tensor (what the SDK sends for a mostly-zero 2-D `target_tokens` or `weights`,
+    `TensorData.from_torch_sparse`), densified: 0 wherever no value is listed."""
+    if len(shape) != 2:
+        raise WireError(
+            f"loss_fn_inputs[{name!r}] is sparse with shape {shape}: sparse tensors must be "
+            "2-D (N, K); send a 1-D input dense"
+        )
+    rows, width = shape
+    if rows * width > _MAX_DENSE_VALUES:
+        raise WireError(
+            f"loss_fn_inputs[{name!r}] is sparse with shape {shape}, over "
+            f"{_MAX_DENSE_VALUES} values once dense; send fewer targets per position"
+        )
+    values = np.frombuffer(csr.values, dtype=dtype)
+    crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
+    col = np.frombuffer(csr.col_indices, dtype=np.int64)
+    well_formed = (
+        crow.size == rows + 1
+        and crow.size > 0
+        and crow[0] == 0
+        and bool(np.all(np.diff(crow) >= 0))
+        and crow[-1] == values.size == col.size
+        and bool(np.all((col >= 0) & (col < width)))
+    )
+    if not well_formed:
+        raise WireError(
+            f"loss_fn_inputs[{name!r}] is not a valid CSR tensor of shape {shape} "
+            f"({crow.size} row pointers, {col.size} column indices, {values.size} values); "
+            "build it with TensorData.from_torch_sparse or send it dense"
+        )
+    dense = np.zeros(shape, dtype=dtype)
+    dense[np.repeat(np.arange(rows), np.diff(crow)), col] = values
+    return dense
 
 
 def encode_forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str, float]) -> bytes:
-    """A protobuf `ForwardBackwardOutput`: each datum's per-position logprobs, and metrics."""
+    """A protobuf `ForwardBackwardOutput`: each datum's logprobs, `(N,)` or `(N, K)`, and metrics.
+
+    Consecutive datums of one trailing shape share an `ArrayRecord` (its `trailing_shape` is `[]`
+    or `[K]`); the SDK rebuilds every datum's shape from its record and keeps datum order.
+    """
     message = public_pb.ForwardBackwardOutput()
     message.loss_fn_output_type = "ArrayRecord"
     for key, value in metrics.items():
         message.metrics[key] = float(value)
-    record = message.loss_fn_outputs.add()
-    record.num_datums = len(logprobs)
-    batched = record.fields["logprobs"]
-    batched.dtype = public_pb.DTYPE_FLOAT32
-    arrays = [np.asarray(lp, dtype=np.float32) for lp in logprobs]
-    batched.data = b"".join(a.tobytes() for a in arrays)
-    offsets = np.cumsum([0, *(a.nbytes for a in arrays)], dtype=np.int64)
-    batched.offsets = offsets.tobytes()
+    arrays = [np.ascontiguousarray(lp, dtype=np.float32) for lp in logprobs]
+    runs = [list(run) for _, run in groupby(arrays, key=lambda a: a.shape[1:])] or [[]]
+    for run in runs:
+        record = message.loss_fn_outputs.add()
+        record.num_datums = len(run)
+        batched = record.fields["logprobs"]
+        batched.dtype = public_pb.DTYPE_FLOAT32
+        batched.trailing_shape.extend(run[0].shape[1:] if run else ())
+        batched.data = b"".join(a.tobytes() for a in run)
+        offsets = np.cumsum([0, *(a.nbytes for a in run)], dtype=np.int64)
+        batched.offsets = offsets.tobytes()
     return message.SerializeToString()  # type: ignore[no-any-return]
 
 

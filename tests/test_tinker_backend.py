@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from backends.tinker.backend import TinkerBackend
+from backends.tinker.config import TinkerConfig
 from examples.countdown.prepare import WarmStartRecipe, ensure_warmstart
 from tests.conftest import ConfigFactory
 from tinker_server.faults import Faults
@@ -129,6 +131,33 @@ def test_countdown_reward_rises_through_tinker(
         assert lags and max(lags) >= 1, "each token's lag is reported"
 
 
+@pytest.mark.parametrize(
+    ("key", "section", "service"),
+    [
+        (None, {}, "offline"),
+        ("tml-x", {}, "remote"),
+        (None, {"base_url": "http://127.0.0.1:9"}, "remote"),
+        ("tml-x", {"service": "offline"}, "offline"),
+    ],
+)
+def test_the_service_a_run_trains_on_is_resolved_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch, key: str | None, section: dict[str, Any], service: str
+) -> None:
+    if key is None:
+        monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("TINKER_API_KEY", key)
+    config = load_config({"workflow": "unified.testing:DigitsWorkflow", "tinker": section})
+    resolved = TinkerBackend().resolve_config(config)
+    assert resolved.tinker["service"] == service
+    assert "tml-x" not in resolved.to_yaml(), "never the key"
+
+
+def test_an_offline_service_with_a_base_url_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"tinker\.service: offline starts a local server"):
+        TinkerConfig.from_section({"service": "offline", "base_url": "http://127.0.0.1:9"})
+
+
 def test_without_url_or_key_the_backend_trains_on_its_own_local_server_and_resumes(
     tinker_config: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -138,6 +167,8 @@ def test_without_url_or_key_the_backend_trains_on_its_own_local_server_and_resum
         first = UnifiedTrainer(config, train_tasks=digits_tasks()).fit()
     said = [r.getMessage() for r in caplog.records if "trains offline" in r.getMessage()]
     assert said and "TINKER_API_KEY=tml-" in said[0], "the offline fallback says so, and how out"
+    recorded = yaml.safe_load((first.run_dir / "config.yaml").read_text())
+    assert recorded["tinker"]["service"] == "offline", "and the run's config records it"
     (checkpoint,) = (first.run_dir / "checkpoints").iterdir()
     record = json.loads((checkpoint / "backend" / "tinker.json").read_text())
     assert record["state_path"].startswith("tinker://"), "the run records the tinker:// path"

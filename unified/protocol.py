@@ -237,6 +237,12 @@ class BackendProtocol(ABC):
         """Write the trained policy where users can load it (e.g. a Hugging Face directory)."""
         raise NotImplementedError(f"backend {self.name!r} cannot export its model")
 
+    def resolve_config(self, config: TrainerConfig) -> TrainerConfig:
+        """`config` with what this backend decides from the environment written in (e.g.
+        tinker's `service: auto` as `remote` or `offline`), so the run's `config.yaml` records
+        it. The default changes nothing."""
+        return config
+
     def check_config(self, config: TrainerConfig) -> None:  # noqa: B027 - optional hook
         """Refuse what this backend cannot run in `config` beyond its capabilities: its own
         section (`local:`, `tinker:`, `verl:`) and the model spec. Called at start-up and by

@@ -72,7 +72,7 @@ class UnifiedTrainer:
         )
         self.backend = backend if backend is not None else create_backend(self.config.backend)
         check_capabilities(self.config, self.backend)
-        self.config = with_partial_rollout(self.config, self.backend)
+        self.config = with_partial_rollout(self.backend.resolve_config(self.config), self.backend)
         data = self.config.data
         self.train_tasks = list(train_tasks) if train_tasks is not None else load_tasks(data.train)
         self.eval_tasks: list[Task] = (

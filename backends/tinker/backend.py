@@ -105,14 +105,19 @@ class TinkerBackend(BackendProtocol):
         key = os.environ.get(settings.api_key_env) or None
         register(key)
         base_url = settings.base_url
-        if base_url is None and key is None:
+        if settings.resolved_service(key) == "offline":
             base_url = await self._start_local_server(config)
+            why = (
+                "tinker.service is offline"
+                if settings.service == "offline"
+                else f"no ${settings.api_key_env} and no tinker.base_url"
+            )
             key = LOCAL_KEY
             log.warning(
-                "tinker: no $%s and no tinker.base_url, so this run trains offline on a local "
-                "Tinker-compatible server (unified tinker-serve at %s, model %s); for Thinking "
-                "Machines' service set %s=tml-...",
-                settings.api_key_env,
+                "tinker: %s, so this run trains offline on a local Tinker-compatible server "
+                "(unified tinker-serve at %s, model %s; config.yaml says tinker.service: "
+                "offline); for Thinking Machines' service set %s=tml-...",
+                why,
                 base_url,
                 config.model,
                 settings.api_key_env,
@@ -176,6 +181,12 @@ class TinkerBackend(BackendProtocol):
         self._training = training
         self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
         self._publish(await self._new_sampling_client(), version=version)
+
+    def resolve_config(self, config: TrainerConfig) -> TrainerConfig:
+        settings = TinkerConfig.from_section(config.tinker)
+        key = os.environ.get(settings.api_key_env) or None
+        section = {**config.tinker, "service": settings.resolved_service(key)}
+        return config.model_copy(update={"tinker": section})
 
     def check_config(self, config: TrainerConfig) -> None:
         TinkerConfig.from_section(config.tinker)

@@ -1,9 +1,11 @@
 """`tinker:` — the settings of the Tinker backend, validated at start-up.
 
-Where it trains: with no `base_url` and no key in the environment, on a local Tinker-compatible
-server the backend starts itself (offline); with a key (`TINKER_API_KEY`) and no `base_url`, on
-the Tinker service; with a `base_url`, on that server. The key is read from the environment only,
-never from the config file, so it is never written into a run's `config.yaml` or logs.
+Where it trains (`service`): `remote`, on the server at `base_url` (default: Thinking Machines'
+Tinker service) with the key in the environment (`TINKER_API_KEY`); `offline`, on a local
+Tinker-compatible server the backend starts itself; `auto` (the default) is `remote` when a key
+or a `base_url` is set, else `offline`, and the run's `config.yaml` records which it was. The key
+is read from the environment only, never from the config file, so it is never written into a
+run's `config.yaml` or logs.
 """
 
 from __future__ import annotations
@@ -34,9 +36,15 @@ class TinkerConfig(BaseModel):
         "grad_clip_norm": "trainer.optimizer.max_grad_norm (null: no clipping)",
     }
 
+    service: Literal["auto", "remote", "offline"] = Field(
+        "auto",
+        description="remote: the server at base_url (default: Thinking Machines' service) with "
+        "$TINKER_API_KEY; offline: a local Tinker-compatible server this run starts; auto: "
+        "remote if a key or base_url is set, else offline (config.yaml records which).",
+    )
     base_url: str | None = Field(
         None,
-        description="Tinker server URL; unset: the service if a key is set, else a local server.",
+        description="Tinker server URL; unset: Thinking Machines' service (or $TINKER_BASE_URL).",
     )
     api_key_env: str = Field(
         "TINKER_API_KEY", description="Environment variable holding the API key (tml-...)."
@@ -78,6 +86,12 @@ class TinkerConfig(BaseModel):
         description="Local server: the vLLM engine's settings (local_engine: vllm).",
     )
 
+    def resolved_service(self, key: str | None) -> Literal["remote", "offline"]:
+        """Where this run trains, given the API key found in the environment (if any)."""
+        if self.service != "auto":
+            return self.service
+        return "remote" if key or self.base_url else "offline"
+
     def retry_policy(self) -> RetryPolicy:
         """How idempotent calls (sampling, set-up) are retried: `retries` more times."""
         return RetryPolicy(attempts=1 + self.retries, backoff_s=self.retry_backoff_s)
@@ -102,6 +116,11 @@ class TinkerConfig(BaseModel):
                     f"unknown config key 'tinker.{key}'; valid keys: {valid}"
                 ) from None
             raise ConfigError(f"config key 'tinker.{key}': {first['msg']}") from None
+        if settings.service == "offline" and settings.base_url is not None:
+            raise ConfigError(
+                f"tinker.service: offline starts a local server, yet tinker.base_url is "
+                f"{settings.base_url!r}; drop one of them"
+            )
         if not (settings.train_attn or settings.train_mlp or settings.train_unembed):
             raise ConfigError(
                 "tinker.train_attn, train_mlp and train_unembed are all false: nothing would "

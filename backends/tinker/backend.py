@@ -124,7 +124,8 @@ class TinkerBackend(BackendProtocol):
             )
         elif key is None:
             raise UsageError(
-                f"tinker: no API key for {base_url}; set {settings.api_key_env}=tml-..."
+                f"tinker: no API key for {base_url or 'the Tinker service'}; set "
+                f"{settings.api_key_env}=tml-... (or tinker.service: offline)"
             )
         # Also where the SDK goes without one ($TINKER_BASE_URL or Tinker's service): its own
         # retries would take request_timeout_s a try to report a network that is down.

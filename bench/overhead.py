@@ -39,7 +39,7 @@ from unified import (
     TrajectoryGroup,
     UnifiedTrainer,
 )
-from unified.config import TrainerConfig
+from unified.config import LoggingConfig, TrainerConfig
 from unified.loop import fewer_young_collections
 from unified.protocol import TokenSampler
 from unified.rollout import SamplingEngine
@@ -299,7 +299,8 @@ def main() -> None:
     print(f"  async trainer: {us_async:.1f} us per trajectory ({cpu_async:.1f} us of CPU)")
     print(f"  sync trainer:  {us_sync:.1f} us per trajectory")
     print(
-        f"  rollout records (defaults: every 16th group, the timeline): {us_on:.1f} vs "
+        f"  rollout records (defaults: every {LoggingConfig().record_every}th group, the "
+        f"timeline): {us_on:.1f} vs "
         f"{us_off:.1f} us per trajectory without them ({us_on / us_off - 1:+.1%} of step time)"
     )
     print(

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.browser import Chromium, chromium_path
 from bench.crashing import countdown_config
-from tests.browser import Chromium, chromium_path
 from unified import UnifiedTrainer
 from unified.records import EpisodeRecord, StepRecord, read_records, record_files
 from unified.report import write_report

@@ -341,7 +341,7 @@ class LoggingConfig(_Section):
         "evaluation episode, the timeline of steps (`unified report` shows them).",
     )
     record_every: int = Field(
-        16,
+        32,
         ge=0,
         description="Rollout records: every Nth dispatched group has its episodes written to "
         "runs/<name>/records/, whatever its outcome (1: all; 0: none).",

@@ -2,7 +2,8 @@
 
 Starts Debian's `chromium` (`--headless=new`, a fresh profile, DevTools on a free port of
 127.0.0.1), drives one tab over its WebSocket and keeps every console error and uncaught
-exception the page raised. Test-only: the report itself needs no browser to be written.
+exception the page raised. The report needs no browser to be written; its test and
+`bench.report` open it in one.
 """
 
 from __future__ import annotations

@@ -303,6 +303,17 @@ class RolloutConfig(_Section):
         "divided among the workers).",
     )
     worker_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved per worker.")
+    worker_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each worker reserves: only nodes started with them "
+        "(`ray start --resources='{\"rollout\": 4}'`) run workflows, and the amount a node "
+        "has over what a worker takes is how many workers it runs.",
+    )
+    placement: Literal["pack", "spread"] = Field(
+        "pack",
+        description="pack: Ray's default placement (fill a node first); spread: each worker on "
+        "another node where one is free (Ray's SPREAD).",
+    )
     max_worker_restarts: int = Field(
         4,
         ge=0,

@@ -32,7 +32,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from unified.config import TrainerConfig
 from unified.errors import WorkerError, WorkflowError
 from unified.protocol import BackendProtocol, ChatTokenizer, TokenSampler
-from unified.ray_runtime import start_local_ray
+from unified.ray_runtime import join_ray, start_local_ray
 from unified.rollout import (
     EngineClock,
     EpisodeResult,
@@ -273,7 +273,7 @@ class WorkerPool:
             return False
         address = self._settings.ray_address
         if address is not None:
-            ray.init(address=address)
+            join_ray(address)
         else:
             needed = int(self._settings.workers * self._settings.worker_cpus + 0.999)
             start_local_ray(max(needed, os.cpu_count() or 1))
@@ -282,8 +282,13 @@ class WorkerPool:
     def _remote_class(self) -> Any:
         # Ray serves the async actor's calls on its event loop: the workflows, plus a long poll
         # and the deliveries of replies.
+        settings = self._settings
+        placement = {"scheduling_strategy": "SPREAD"} if settings.placement == "spread" else {}
         return ray.remote(RolloutWorker).options(
-            num_cpus=self._settings.worker_cpus, max_concurrency=self._concurrency + 64
+            num_cpus=settings.worker_cpus,
+            resources=dict(settings.worker_resources),
+            max_concurrency=self._concurrency + 64,
+            **placement,
         )
 
     async def _start(self, remote: Any, slot: int) -> _Worker:

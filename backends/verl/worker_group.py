@@ -64,7 +64,7 @@ class PolicyGroup:
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
         from backends.verl.worker import PolicyWorker
-        from unified.ray_runtime import init_ray, start_local_ray
+        from unified.ray_runtime import join_ray, start_local_ray
 
         env = self._worker_environment()
         if self.device == "cpu":
@@ -82,7 +82,7 @@ class PolicyGroup:
                     runtime_env={"env_vars": env},
                 )
             else:
-                init_ray(address=self.ray_address, runtime_env={"env_vars": env})
+                join_ray(self.ray_address, runtime_env={"env_vars": env})
             self._started_ray = True
         self._check_resources(ray.available_resources())
         kind = "GPU" if self.device == "cuda" else "CPU"

@@ -1,0 +1,201 @@
+"""Rollout workers on a Ray cluster of several nodes, all on 127.0.0.1, with nodes that die.
+
+`ray.cluster_utils.Cluster` starts a head node (no CPUs: the trainer's driver and nothing else)
+and worker nodes that each offer one `rollout` resource, so each runs one rollout worker
+(`rollout.worker_resources`); the test process joins it by address as a trainer on another
+machine would (`rollout.ray_address`). Nodes are small (one CPU, 150 MiB of object store) for
+2 cores; each costs a few seconds to start. The cluster's health checks are fast, so a removed
+node is noticed in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ConfigFactory
+from tests.test_workers import PidCountdown, RecordingBackend
+from unified import UnifiedTrainer
+from unified.protocol import RolloutEngine
+from unified.types import Task, Trajectory
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+NODE = {"num_cpus": 1, "resources": {"rollout": 1}, "node_ip_address": "127.0.0.1"}
+"""A worker node: one CPU, room for one rollout worker, on the loopback address."""
+
+
+class NodeCountdown(PidCountdown):
+    """Countdown that records the Ray node each episode ran on (`info["node"]`)."""
+
+    async def run(self, task: Task, model: RolloutEngine) -> Trajectory:
+        trajectory = await super().run(task, model)
+        node = ray.get_runtime_context().get_node_id()
+        for step in trajectory.steps:
+            step.info["node"] = node
+        return trajectory
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    """A head and two worker nodes on 127.0.0.1; the test process joins it as the trainer."""
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+            "_system_config": {
+                "health_check_initial_delay_ms": 0,
+                "health_check_period_ms": 500,
+                "health_check_failure_threshold": 4,
+                "worker_niceness": 0,
+            },
+        },
+    )
+    try:
+        for _ in range(2):
+            cluster.add_node(**NODE)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def cluster_config(make_config: ConfigFactory, address: str, **trainer: Any) -> dict[str, Any]:
+    return make_config(
+        mode="async",
+        backend="local",
+        workflow="tests.test_cluster:NodeCountdown",
+        model="builtin:tiny",
+        data={"train": {"generator": "examples.countdown.tasks:make_tasks", "n": 64}},
+        trainer={
+            "total_steps": 3,
+            "batch_size": 2,
+            "group_size": 4,
+            "lr": 1e-3,
+            "filter_groups": False,
+            "workflow_timeout_s": 60,
+            "stall_timeout_s": 120,
+            **trainer,
+        },
+        sampling={"train": {"max_tokens": 6}},
+        rollout={
+            "workers": 2,
+            "worker_cpus": 0.5,
+            "worker_resources": {"rollout": 1},
+            "placement": "spread",
+            "ray_address": address,
+            "max_worker_restarts": 50,
+        },
+        async_={"strict_staleness": True, "over_admit": 0.0},
+    )
+
+
+def nodes_of(backend: RecordingBackend) -> Counter[str]:
+    return Counter(
+        step.info["node"]
+        for group in backend.trained
+        for episode in group.episodes
+        for trajectory in episode.trajectories
+        for step in trajectory.steps
+    )
+
+
+def check_once(run_dir: Path, steps: int, batch: int) -> None:
+    """Every step trained `batch` groups, no group ended twice, and each trained group has all
+    its rollouts, each once."""
+    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").open()]
+    ended = Counter(entry["group_id"] for entry in ledger)
+    assert max(ended.values()) == 1, f"groups ended twice: {ended.most_common(3)}"
+    trained = Counter(entry["step"] for entry in ledger if entry["outcome"] == "trained")
+    assert trained == dict.fromkeys(range(1, steps + 1), batch)
+
+
+def test_rollout_workers_spread_over_the_nodes_that_offer_their_resource(
+    cluster: Cluster, make_config: ConfigFactory
+) -> None:
+    backend = RecordingBackend()
+    config = cluster_config(make_config, cluster.address)
+    result = UnifiedTrainer(config, backend=backend).fit()
+
+    workers = {n.node_id for n in cluster.worker_nodes}
+    used = nodes_of(backend)
+    assert set(used) == workers, "one worker on each worker node, none on the head"
+    check_once(result.run_dir, 3, 2)
+
+
+def test_a_rollout_node_removed_mid_run_loses_no_episode_and_says_so(
+    cluster: Cluster, make_config: ConfigFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = RecordingBackend()
+    config = cluster_config(make_config, cluster.address, total_steps=6)
+    removed: list[str] = []
+
+    def remove_one_then_replace() -> None:
+        while not backend.trained:  # once the run trains, a node of its workers goes
+            time.sleep(0.05)
+        node = min(cluster.worker_nodes, key=lambda n: n.node_id)
+        removed.append(node.node_id)
+        cluster.remove_node(node, allow_graceful=False)
+        cluster.add_node(**NODE)
+
+    chaos = threading.Thread(target=remove_one_then_replace, daemon=True)
+    chaos.start()
+    with caplog.at_level(logging.WARNING, logger="unified.workers"):
+        result = UnifiedTrainer(config, backend=backend).fit()
+    chaos.join(timeout=60)
+
+    assert removed, "a node was removed while the run trained"
+    said = [r.getMessage() for r in caplog.records if "lost with" in r.getMessage()]
+    assert said and "they run again" in said[0], "the console says which worker went"
+    check_once(result.run_dir, 6, 2)
+    assert result.metrics["episodes/errors"] == 0.0
+    for group in backend.trained:
+        assert sorted(e.rollout_index for e in group.episodes) == list(range(4))
+
+
+@pytest.mark.slow
+def test_twenty_random_node_removals_lose_or_repeat_nothing(
+    cluster: Cluster, make_config: ConfigFactory
+) -> None:
+    """The soak: `bench`-sized, so marked slow (about 3-4 minutes on 2 cores)."""
+    removals = 20
+    backend = RecordingBackend()
+    config = cluster_config(make_config, cluster.address, total_steps=60)
+    done = threading.Event()
+    removed = 0
+
+    def remove_at_random() -> None:
+        nonlocal removed
+        rng = random.Random(0)
+        while removed < removals and not done.is_set():
+            time.sleep(rng.uniform(0.5, 2.0))
+            nodes = sorted(cluster.worker_nodes, key=lambda n: n.node_id)
+            if len(nodes) < 2:
+                continue
+            cluster.remove_node(rng.choice(nodes), allow_graceful=False)
+            cluster.add_node(**NODE)
+            removed += 1
+
+    chaos = threading.Thread(target=remove_at_random, daemon=True)
+    chaos.start()
+    try:
+        result = UnifiedTrainer(config, backend=backend).fit()
+    finally:
+        done.set()
+        chaos.join(timeout=120)
+    check_once(result.run_dir, 60, 2)
+    assert result.metrics["episodes/errors"] == 0.0
+    assert removed >= removals // 2, f"only {removed} nodes were removed during the run"

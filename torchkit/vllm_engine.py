@@ -69,6 +69,9 @@ __all__ = ["PromptLogprobs", "VllmSampler"]
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "aborted"}
 
+SHUTDOWN_TIMEOUT_S = 60.0
+"""How long the engine's processes get to shut down before vLLM kills them."""
+
 
 @dataclass(frozen=True)
 class PromptLogprobs:
@@ -482,10 +485,14 @@ class VllmSampler:
         await self._idle.wait()
 
     def shutdown(self) -> None:
-        """Stop the engine and its process, and remove the weights directory."""
+        """Stop the engine and its processes, in order, and remove the weights directory."""
         if self._transfer is not None:
             self._transfer.close()
-        self.engine.shutdown()
+        # vLLM's default grace (5 s) is shorter than its engine's own shutdown on a busy CPU
+        # host (7-8 s on 2 cores: the worker ends, then the engine core); killed before the end,
+        # the engine core leaves its shared-memory queues to Python's resource tracker ("leaked
+        # shared_memory objects").
+        self.engine.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         _close_orphaned_sockets(self.engine)
         # `AsyncLLM.__del__` calls `self.shutdown()` again, at interpreter exit once module
         # globals are gone, and prints a TypeError: the instance's own no-op answers it.

@@ -349,12 +349,16 @@ class VllmSampler:
             skip_special_tokens=True,
             prompt_logprobs=prompt_logprobs,
         )
+        # vLLM's own rendering of a token prompt: what `add_request` does, with a deprecation
+        # warning, when given the prompt itself.
+        renderer = self.engine.renderer
+        (engine_input,) = renderer.render_cmpl(
+            [TokensPrompt(prompt_token_ids=context)], renderer.default_cmpl_tok_params
+        )
         self._submitting += 1
         self._submitted.clear()
         try:
-            queue = await self.engine.add_request(
-                call.request_id, TokensPrompt(prompt_token_ids=context), vllm_params
-            )
+            queue = await self.engine.add_request(call.request_id, engine_input, vllm_params)
         finally:
             self._submitting -= 1
             if self._submitting == 0:

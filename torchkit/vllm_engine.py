@@ -51,6 +51,13 @@ from transformers import PreTrainedTokenizerBase
 
 from torchkit.builtin import load_tokenizer
 from torchkit.sampler import _text, check_request
+from torchkit.vllm_logging import (
+    CONFIG_ENV,
+    engine_warning_options,
+    logging_config_file,
+    quiet,
+    quiet_this_process,
+)
 from torchkit.vllm_settings import (
     MAX_PROMPT_TOP_K,
     VllmSettings,
@@ -169,8 +176,12 @@ class VllmSampler:
         directory = Path(model_dir)
         checked = check_settings(settings or {}, directory, key=key)
         # vLLM's INFO lines (five per weight sync) would drown the trainer's console; its
-        # engine processes read this when they start. VLLM_LOGGING_LEVEL=INFO shows them.
+        # engine processes read this when they start. VLLM_LOGGING_LEVEL=INFO shows them, and
+        # the start-up noise `torchkit/vllm_logging.py` drops.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        quieted = quiet()
+        if quieted:
+            quiet_this_process()  # before vLLM's import, which warns
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -183,11 +194,15 @@ class VllmSampler:
         args = AsyncEngineArgs(
             **arguments,
             worker_extension_cls=f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}",
+            use_tqdm_on_load=not quieted,  # a progress bar of one shard, at every start
         )
         weights_dir = Path(tempfile.mkdtemp(prefix="unified-vllm-weights-", dir=_scratch()))
         # The engine's processes remove these and stop if this process ends without them.
         scratch = [str(weights_dir), *(str(path) for path in cleanup)]
         environment = engine_environment(checked) | guard_environment(scratch)
+        if quieted:  # every vLLM process applies the file as it starts
+            environment[CONFIG_ENV] = str(logging_config_file(weights_dir))
+            environment["PYTHONWARNINGS"] = engine_warning_options()
         try:
             with _environment(environment):  # read by the engine's processes as they start
                 engine = AsyncLLM.from_engine_args(args)

@@ -51,6 +51,13 @@ from transformers import PreTrainedTokenizerBase
 
 from torchkit.builtin import load_tokenizer
 from torchkit.sampler import _text, check_request
+from torchkit.vllm_logging import (
+    CONFIG_ENV,
+    engine_warning_options,
+    logging_config_file,
+    quiet,
+    quiet_this_process,
+)
 from torchkit.vllm_settings import (
     MAX_PROMPT_TOP_K,
     VllmSettings,
@@ -68,6 +75,9 @@ from unified.types import FinishReason, ModelOutput, SamplingParams
 __all__ = ["PromptLogprobs", "VllmSampler"]
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "aborted"}
+
+SHUTDOWN_TIMEOUT_S = 60.0
+"""How long the engine's processes get to shut down before vLLM kills them."""
 
 
 @dataclass(frozen=True)
@@ -166,8 +176,12 @@ class VllmSampler:
         directory = Path(model_dir)
         checked = check_settings(settings or {}, directory, key=key)
         # vLLM's INFO lines (five per weight sync) would drown the trainer's console; its
-        # engine processes read this when they start. VLLM_LOGGING_LEVEL=INFO shows them.
+        # engine processes read this when they start. VLLM_LOGGING_LEVEL=INFO shows them, and
+        # the start-up noise `torchkit/vllm_logging.py` drops.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        quieted = quiet()
+        if quieted:
+            quiet_this_process()  # before vLLM's import, which warns
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -180,11 +194,15 @@ class VllmSampler:
         args = AsyncEngineArgs(
             **arguments,
             worker_extension_cls=f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}",
+            use_tqdm_on_load=not quieted,  # a progress bar of one shard, at every start
         )
         weights_dir = Path(tempfile.mkdtemp(prefix="unified-vllm-weights-", dir=_scratch()))
         # The engine's processes remove these and stop if this process ends without them.
         scratch = [str(weights_dir), *(str(path) for path in cleanup)]
         environment = engine_environment(checked) | guard_environment(scratch)
+        if quieted:  # every vLLM process applies the file as it starts
+            environment[CONFIG_ENV] = str(logging_config_file(weights_dir))
+            environment["PYTHONWARNINGS"] = engine_warning_options()
         try:
             with _environment(environment):  # read by the engine's processes as they start
                 engine = AsyncLLM.from_engine_args(args)
@@ -346,12 +364,16 @@ class VllmSampler:
             skip_special_tokens=True,
             prompt_logprobs=prompt_logprobs,
         )
+        # vLLM's own rendering of a token prompt: what `add_request` does, with a deprecation
+        # warning, when given the prompt itself.
+        renderer = self.engine.renderer
+        (engine_input,) = renderer.render_cmpl(
+            [TokensPrompt(prompt_token_ids=context)], renderer.default_cmpl_tok_params
+        )
         self._submitting += 1
         self._submitted.clear()
         try:
-            queue = await self.engine.add_request(
-                call.request_id, TokensPrompt(prompt_token_ids=context), vllm_params
-            )
+            queue = await self.engine.add_request(call.request_id, engine_input, vllm_params)
         finally:
             self._submitting -= 1
             if self._submitting == 0:
@@ -482,10 +504,14 @@ class VllmSampler:
         await self._idle.wait()
 
     def shutdown(self) -> None:
-        """Stop the engine and its process, and remove the weights directory."""
+        """Stop the engine and its processes, in order, and remove the weights directory."""
         if self._transfer is not None:
             self._transfer.close()
-        self.engine.shutdown()
+        # vLLM's default grace (5 s) is shorter than its engine's own shutdown on a busy CPU
+        # host (7-8 s on 2 cores: the worker ends, then the engine core); killed before the end,
+        # the engine core leaves its shared-memory queues to Python's resource tracker ("leaked
+        # shared_memory objects").
+        self.engine.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         _close_orphaned_sockets(self.engine)
         # `AsyncLLM.__del__` calls `self.shutdown()` again, at interpreter exit once module
         # globals are gone, and prints a TypeError: the instance's own no-op answers it.

@@ -1,5 +1,4 @@
-"""What runs inside vLLM's engine processes: the worker extension, a guard against orphans, and
-a filter on one log line.
+"""What runs inside vLLM's engine processes: the worker extension and a guard against orphans.
 
 vLLM runs the model in child processes (the engine core, and its workers). A trainer that ends
 without shutting the engine down (SIGKILL, or a signal it does not handle) leaves them running,
@@ -9,15 +8,10 @@ names itself and its scratch directory in the environment its engine processes i
 (`GUARD_ENV`); when vLLM imports this module in them (to resolve `worker_extension_cls`), a
 guard thread starts that, once the trainer is gone, removes the scratch directory and stops the
 engine core (SIGTERM: vLLM's own shutdown, which ends its workers).
-
-vLLM's in-place reload warns "RotaryEmbedding: Failed to load weights" at every reload: a rotary
-embedding has a computed cache and no weights, and the reload keeps the cache. On a trainer's
-console that is a line per weight sync; `_QuietReload` drops it (and nothing else).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import signal
@@ -38,22 +32,6 @@ _GRACE_S = 15.0  # after SIGTERM, how long the engine core gets before SIGKILL
 class WorkerExtension(WeightsReceiver):
     """The class vLLM mixes into its worker (`worker_extension_cls`): the weights' receiving
     side (`load_shared_weights`)."""
-
-
-class _QuietReload(logging.Filter):
-    """Drops vLLM's reload warning about layers that load no weights by design (rotary
-    embeddings)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (
-            record.msg == "%s: Failed to load weights"
-            and isinstance(record.args, tuple)
-            and len(record.args) == 1
-            and str(record.args[0]).endswith("RotaryEmbedding")
-        )
-
-
-_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 def guard_environment(scratch: list[str]) -> dict[str, str]:
@@ -118,4 +96,3 @@ def _start_guard() -> None:
 
 
 _start_guard()
-logging.getLogger(_RELOAD_LOGGER).addFilter(_QuietReload())

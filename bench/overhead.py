@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import gc
 import json
+import statistics
 import tempfile
 import time
 import tracemalloc
@@ -42,6 +43,7 @@ from unified import (
 from unified.config import LoggingConfig, TrainerConfig
 from unified.loop import fewer_young_collections
 from unified.protocol import TokenSampler
+from unified.records import RecordWriter
 from unified.rollout import SamplingEngine
 
 TOKENS = 16
@@ -196,6 +198,36 @@ def per_trajectory(
     return best
 
 
+def writer_cpu_us(args: argparse.Namespace) -> float:
+    """CPU microseconds per trajectory that the records' writer thread spent in one async run."""
+    spent = [0.0]
+    write = RecordWriter._write
+
+    def timed(self: RecordWriter, records: list[Any]) -> None:
+        started = time.thread_time()
+        write(self, records)
+        spent[0] += time.thread_time() - started
+
+    submit = RecordWriter._submit
+
+    def timed_submit(self: RecordWriter, build: Any) -> None:
+        def built() -> Any:
+            started = time.thread_time()
+            try:
+                return build()
+            finally:
+                spent[0] += time.thread_time() - started
+
+        submit(self, built)
+
+    RecordWriter._write, RecordWriter._submit = timed, timed_submit  # type: ignore[method-assign]
+    try:
+        per_trajectory(argparse.Namespace(**{**vars(args), "repeats": 1}), "async")
+    finally:
+        RecordWriter._write, RecordWriter._submit = write, submit  # type: ignore[method-assign]
+    return spent[0] / (args.steps * args.groups * args.group_size) * 1e6
+
+
 def direct(args: argparse.Namespace) -> tuple[float, float]:
     """(Wall, CPU) microseconds per call of the workflow and backend alone, one after another."""
 
@@ -283,12 +315,15 @@ def main() -> None:
         per_trajectory(args, "async"),
         per_trajectory(args, "sync"),
     )
-    # The rollout records' cost: the async run without them and with them, alternately.
-    without, with_records = [], []
-    for _ in range(args.repeats):
-        without.append(per_trajectory(args, "async", records=False)[0])
-        with_records.append(per_trajectory(args, "async")[0])
-    us_off, us_on = min(without), min(with_records)
+    # The rollout records' cost: runs without and with them in pairs (the order swapped each
+    # time), and the CPU time of the records' writer thread itself.
+    ratios, writer_us = [], []
+    for pair in range(args.repeats):
+        order = (False, True) if pair % 2 == 0 else (True, False)
+        timed = {records: per_trajectory(args, "async", records=records)[0] for records in order}
+        ratios.append(timed[True] / timed[False])
+        writer_us.append(writer_cpu_us(args))
+    records_ratio, records_cpu = statistics.median(ratios), statistics.median(writer_us)
     us_direct, cpu_direct = direct(args)
     us_tasks, cpu_tasks = as_tasks(args)
     memory = in_flight(args)
@@ -299,9 +334,10 @@ def main() -> None:
     print(f"  async trainer: {us_async:.1f} us per trajectory ({cpu_async:.1f} us of CPU)")
     print(f"  sync trainer:  {us_sync:.1f} us per trajectory")
     print(
-        f"  rollout records (defaults: every {LoggingConfig().record_every}th group, the "
-        f"timeline): {us_on:.1f} vs "
-        f"{us_off:.1f} us per trajectory without them ({us_on / us_off - 1:+.1%} of step time)"
+        f"  rollout records (defaults: one group in {LoggingConfig().record_every}, the "
+        f"timeline): {records_ratio - 1:+.1%} of step time (median of {args.repeats} pairs "
+        f"of runs without and with them); their writer thread's CPU: {records_cpu:.2f} us "
+        "per trajectory"
     )
     print(
         f"  workflow + backend alone, no trainer: {us_direct:.1f} us per call "
@@ -326,8 +362,8 @@ def main() -> None:
         "max_in_flight": int(memory["max_in_flight"]),
         "cpu_us_per_trajectory": cpu_async,
         "us_per_trajectory_sync": us_sync,
-        "us_per_trajectory_records_off": us_off,
-        "us_per_trajectory_records_on": us_on,
+        "records_step_time_ratio": records_ratio,
+        "records_writer_cpu_us_per_trajectory": records_cpu,
         "us_per_call_without_trainer": us_direct,
         "cpu_us_per_call_without_trainer": cpu_direct,
         "us_per_call_as_tasks": us_tasks,

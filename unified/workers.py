@@ -55,6 +55,9 @@ Taken = tuple[list[Request], list[int]]
 
 Reply = tuple[int, ModelOutput | BaseException]
 
+_RESTART_PAUSE_S = 1.0
+"""Pause after a failed restart, before the next: the cluster may be replacing a node."""
+
 _POLL_S = 5.0
 """How long one `take_requests` long-poll waits for a request before returning empty."""
 
@@ -309,18 +312,28 @@ class WorkerPool:
         return worker
 
     async def _keep(self, remote: Any, worker: _Worker) -> None:
-        """Serve `worker` until it is lost, then replace it while restarts are left."""
+        """Serve `worker` until it is lost, then replace it while restarts are left (a start
+        that fails, say on a node that died meanwhile, uses one up and is tried again)."""
+        slot: int = worker.slot
         while True:
             await self._serve(worker)
             self._lose(worker)
-            if self._restarts_left == 0:
+            replaced = None
+            while replaced is None and self._restarts_left > 0:
+                self._restarts_left -= 1
+                try:
+                    replaced = await self._start(remote, slot)
+                except (RayActorError, TimeoutError) as e:
+                    log.warning(
+                        "rollout worker %d could not be restarted (%r); %d restarts left",
+                        slot,
+                        e,
+                        self._restarts_left,
+                    )
+                    await asyncio.sleep(_RESTART_PAUSE_S)
+            if replaced is None:
                 break
-            self._restarts_left -= 1
-            try:
-                worker = await self._start(remote, worker.slot)
-            except (RayActorError, TimeoutError) as e:
-                log.warning("rollout worker %d could not be restarted: %r", worker.slot, e)
-                break
+            worker = replaced
         self._keepers_left -= 1
         if self._keepers_left == 0:
             self._some_live.set()  # wake waiting runs: there is nothing left to wait for
@@ -432,7 +445,8 @@ class WorkerPool:
             if self._keepers_left == 0:
                 raise WorkerError(
                     f"every rollout worker died and rollout.max_worker_restarts="
-                    f"{self._settings.max_worker_restarts} are used up; see the Ray logs"
+                    f"{self._settings.max_worker_restarts} are used up (failed restarts "
+                    "count); see the Ray logs"
                 )
             # A replacement's start has its own call_timeout_s: wait past it, for its outcome.
             try:

@@ -9,6 +9,11 @@ plus the cost of serving model calls to the workers. Both runs go through the re
 and the workers' are outside the steady state (first optimizer step to last).
 
     python -m bench.workers --json runs/bench-workers.json
+    python -m bench.workers --remote --json runs/bench-workers-remote.json
+
+`--remote` compares where the workers run instead: on the trainer's own Ray node, or on
+another node of a `ray.cluster_utils.Cluster` (every node on 127.0.0.1), which the trainer
+joins by address; the figure is the trainer's CPU per episode, remote over local.
 """
 
 from __future__ import annotations
@@ -67,18 +72,23 @@ class ToolAgent:
 
 
 def episodes_per_s(
-    args: argparse.Namespace, workflow: ToolAgent, workers: int
+    args: argparse.Namespace,
+    workflow: ToolAgent,
+    workers: int,
+    resources: dict[str, float] | None = None,
 ) -> tuple[float, float]:
     """Steady-state episodes per second of one run (first optimizer step to last), and the
-    trainer process's CPU milliseconds per episode over the same span."""
+    trainer process's CPU milliseconds per episode over the same span; the workers on nodes
+    that offer `resources`."""
     with tempfile.TemporaryDirectory() as tmp:
         changes: dict[str, Any] = {"async": {"max_concurrency": 64}}
+        rollout: dict[str, Any] = {"workers": workers, "worker_resources": resources or {}}
         config = overhead_config(
             args,
             tmp,
             name=f"workers{workers}",
             workflow="bench.workers:ToolAgent",
-            rollout={"workers": workers},
+            rollout=rollout,
             **changes,
         )
         backend = ZeroBackend()
@@ -97,7 +107,11 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--tool-ms", type=float, default=40.0)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--remote", action="store_true", help="local node vs another node")
     args = parser.parse_args()
+    if args.remote:
+        remote(args)
+        return
 
     import ray
 
@@ -131,6 +145,49 @@ def main() -> None:
         f"trainer CPU {on_workers_cpu_ms:6.1f} ms per episode   ({ratio:.2f}x)"
     )
     print(f"({args.turns} tool calls of {args.tool_ms:g} ms per episode; load {os.getloadavg()})")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def remote(args: argparse.Namespace) -> None:
+    """The same workers on the trainer's node, then on another node of a loopback cluster."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from unified.ray_runtime import join_ray
+
+    node = {"num_cpus": args.workers, "node_ip_address": "127.0.0.1"}
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**node, "resources": {"here": args.workers}, "include_dashboard": False},
+    )
+    try:
+        cluster.add_node(**node, resources={"there": args.workers})
+        cluster.wait_for_nodes()
+        join_ray(cluster.address)
+        workflow = ToolAgent(args.turns, iterations_for(args.tool_ms))
+        local, local_cpu_ms = episodes_per_s(args, workflow, args.workers, {"here": 1})
+        far, far_cpu_ms = episodes_per_s(args, workflow, args.workers, {"there": 1})
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    figures = {
+        "episodes_per_s_local_node": local,
+        "episodes_per_s_remote_node": far,
+        "trainer_cpu_ms_per_episode_local_node": local_cpu_ms,
+        "trainer_cpu_ms_per_episode_remote_node": far_cpu_ms,
+        "trainer_cpu_ratio": far_cpu_ms / local_cpu_ms,
+        "load_average": os.getloadavg(),
+    }
+    print(
+        f"{args.workers} workers on the trainer's node: {local:6.2f} episodes/s, trainer CPU "
+        f"{local_cpu_ms:6.1f} ms per episode"
+    )
+    print(
+        f"{args.workers} workers on another node:   {far:6.2f} episodes/s, trainer CPU "
+        f"{far_cpu_ms:6.1f} ms per episode ({far_cpu_ms / local_cpu_ms:.2f}x)"
+    )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(figures, indent=2) + "\n")

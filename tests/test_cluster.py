@@ -158,7 +158,9 @@ def test_a_rollout_node_removed_mid_run_loses_no_episode_and_says_so(
     cluster: Cluster, make_config: ConfigFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     backend = RecordingBackend()
-    config = cluster_config(make_config, cluster.address, total_steps=6)
+    config = cluster_config(make_config, cluster.address, total_steps=16)
+    # Slow episodes keep the run going for seconds after the removal: long enough to notice it.
+    config["workflow"] = "tests.test_cluster:SlowNodeCountdown"
     removed: list[str] = []
     removed_at: list[float] = []
 
@@ -177,7 +179,7 @@ def test_a_rollout_node_removed_mid_run_loses_no_episode_and_says_so(
     assert removed, "a node was removed while the run trained"
     said = [r.getMessage() for r in caplog.records if "lost with" in r.getMessage()]
     assert said and "they run again" in said[0], "the console says which worker went"
-    check_once(result.run_dir, 6, 2)
+    check_once(result.run_dir, 16, 2)
     assert result.metrics["episodes/errors"] == 0.0
     for group in backend.trained:
         assert sorted(e.rollout_index for e in group.episodes) == list(range(4))

@@ -149,11 +149,8 @@ class RunDirectory:
             self.resumed_step = state.step if state else -1
             self._truncate_ledger(state)
             self._truncate_metrics(self.resumed_step)
-            if state is None or state.records_lines is not None:  # (older checkpoints: all)
-                lines = state.records_lines if state is not None else 0
-                self.records_lines = truncate_records(self.path, lines or 0)
-            else:
-                self.records_lines = truncate_records(self.path, 1 << 62)
+            kept = 0 if state is None else state.records_lines  # None: older, keep all
+            self.records_lines = truncate_records(self.path, kept)
             for tmp in self.checkpoints.glob(".tmp-step_*"):
                 shutil.rmtree(tmp)
         return checkpoint

@@ -29,6 +29,7 @@ import asyncio
 import gzip
 import json
 import os
+import sys
 import time
 import zlib
 from collections.abc import Iterator, Sequence
@@ -219,7 +220,7 @@ class RecordWriter:
         self.directory = run_dir / RECORDS_DIR
         self.enabled = enabled
         self.every = every if enabled else 0
-        self.eval_episodes = eval_episodes
+        self.eval_episodes = eval_episodes and enabled
         self.tokenizer: Any = None
         """Decodes the text pieces; set once the backend is up (no text without it)."""
         self._pieces: dict[int, str] = {}
@@ -298,9 +299,9 @@ class RecordWriter:
         episodes: Sequence[tuple[Task, Episode, bool]],
         version: int,
     ) -> None:
-        """The evaluation after `step`, and (with `record_eval`) each of its episodes: its task,
-        the episode, and whether it was correct."""
-        pairs = list(episodes) if self.eval_episodes else []
+        """The evaluation after `step`, and each of `episodes` (its task, the episode, whether
+        it was correct): the loop keeps them only when `eval_episodes`."""
+        pairs = list(episodes)
 
         def build() -> list[_Record | dict[str, Any]]:
             records: list[_Record | dict[str, Any]] = [
@@ -532,9 +533,12 @@ def _members(path: Path) -> tuple[list[str], bool]:
     return lines, False
 
 
-def truncate_records(run_dir: Path, lines: int) -> int:
+def truncate_records(run_dir: Path, lines: int | None) -> int:
     """Keep the first `lines` record lines of `run_dir` (resume: what its checkpoint had
-    seen), and a member torn by a crash nowhere; returns the lines kept."""
+    seen; None: all, for a checkpoint from before records), and a member torn by a crash
+    nowhere; returns the lines kept."""
+    if lines is None:
+        lines = sys.maxsize
     directory = run_dir / RECORDS_DIR
     kept = 0
     for first, path in record_files(directory):

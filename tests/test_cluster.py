@@ -1,4 +1,5 @@
-"""Rollout workers on a Ray cluster of several nodes, all on 127.0.0.1, with nodes that die.
+"""Rollout workers and verl's worker group on a Ray cluster of several nodes, all on 127.0.0.1,
+with nodes that die.
 
 `ray.cluster_utils.Cluster` starts a head node (no CPUs: the trainer's driver and nothing else)
 and worker nodes that each offer one `rollout` resource, so each runs one rollout worker
@@ -23,7 +24,9 @@ from typing import Any
 
 import pytest
 
+from backends.verl.watch import WorkerLostError
 from tests.conftest import ConfigFactory
+from tests.test_verl_backend import countdown_config
 from tests.test_workers import PidCountdown, RecordingBackend
 from unified import UnifiedTrainer
 from unified.protocol import RolloutEngine
@@ -215,3 +218,90 @@ def test_twenty_random_node_removals_lose_or_repeat_nothing(
     check_once(result.run_dir, 240, 2)
     assert result.metrics["episodes/errors"] == 0.0
     assert removed == removals, f"only {removed} nodes were removed during the run"
+
+
+@ray.remote(num_cpus=0)
+class Rank:
+    """A stand-in for a verl rank: a call that blocks (a survivor in a collective) or fails."""
+
+    def node_id(self) -> str:
+        return str(ray.get_runtime_context().get_node_id())
+
+    def call(self, seconds: float, fail: bool = False) -> str:
+        time.sleep(seconds)
+        if fail:
+            raise RuntimeError("Connection closed by peer")  # what gloo says when a peer went
+        return "done"
+
+
+def test_the_watched_group_names_a_dead_rank_while_a_survivor_blocks(cluster: Cluster) -> None:
+    import threading
+
+    from backends.verl.watch import WatchedWorkerGroup
+    from unified.ray_runtime import join_ray
+
+    join_ray(cluster.address)
+    ranks = [Rank.remote() for _ in range(2)]
+    group = WatchedWorkerGroup.__new__(WatchedWorkerGroup)  # the watch alone, without verl
+    group.nodes = ray.get([r.node_id.remote() for r in ranks])
+
+    # Rank 1's process dies mid-call while rank 0 waits for it: the call ends in seconds.
+    started = time.monotonic()
+    killer = threading.Timer(0.5, ray.kill, [ranks[1]])
+    killer.start()
+    with pytest.raises(WorkerLostError, match=r"rank 1 of 2 .* during train_step: its worker pro"):
+        group._wait("train_step", [ranks[0].call.remote(60), ranks[1].call.remote(60)])
+    assert time.monotonic() - started < 30
+    killer.join()
+
+    # A rank's own failure, with no rank lost, is that failure as soon as the others replied.
+    fresh = [Rank.remote() for _ in range(2)]
+    group.nodes = ray.get([r.node_id.remote() for r in fresh])
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        group._wait("train_step", [fresh[0].call.remote(0, fail=True), fresh[1].call.remote(1)])
+    assert time.monotonic() - started < 10
+
+
+def test_a_verl_node_removed_mid_run_stops_it_in_one_line_and_resume_continues_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """verl's worker group over both worker nodes (one rank each, gloo on CPU); a node goes
+    after the second checkpoint. The run stops within seconds naming the lost rank and the
+    checkpoint to go on from; on a replacement node, `resume=true` trains every step once."""
+    steps = 6
+    sections: dict[str, Any] = {
+        "trainer": {
+            **countdown_config(tmp_path).trainer.model_dump(),
+            "total_steps": steps,
+            "save_every": 1,
+        },
+        "verl": {"num_workers": 2, "forward_batch_size": 4, "ray_address": cluster.address},
+    }
+    run_dir = tmp_path / "runs" / "verl-e2e"
+    removed_at: list[float] = []
+
+    def remove_a_node_after_step_2(run: Future[Any]) -> None:
+        def saved() -> list[Path]:  # the trainer keeps the newest few checkpoints
+            return [p for p in (run_dir / "checkpoints").glob("step_*") if p.name >= "step_000002"]
+
+        while not saved() and not run.done():
+            time.sleep(0.05)
+        removed_at.append(time.monotonic())
+        node = max(cluster.worker_nodes, key=lambda n: n.node_id)
+        cluster.remove_node(node, allow_graceful=False)
+        cluster.add_node(**NODE)  # the replacement the resumed run is placed on
+
+    trainer = UnifiedTrainer(countdown_config(tmp_path, **sections))
+    with pytest.raises(WorkerLostError, match=r"verl worker rank \d of 2 .* was lost during") as e:
+        fit_beside(trainer, remove_a_node_after_step_2)
+    stopped_in = time.monotonic() - removed_at[0]
+
+    assert stopped_in < 60, f"the run stopped {stopped_in:.1f} s after its node went"
+    notes = getattr(e.value, "__notes__", [])
+    assert any("continue with resume=true" in n and "step_0000" in n for n in notes), notes
+    print(f"stopped {stopped_in:.1f} s after the node went: {e.value}; {'; '.join(notes)}")
+
+    result = UnifiedTrainer(countdown_config(tmp_path, resume=True, **sections)).fit()
+    assert result.steps == steps
+    check_once(run_dir, steps, 2)

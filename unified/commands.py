@@ -37,7 +37,8 @@ def run_command(command: Callable[[], int], prog: str = "unified") -> int:
         print(f"{prog}: {e}", file=sys.stderr)
         return e.exit_code
     except UnifiedError as e:
-        print(f"{prog}: {type(e).__name__}: {_one_line(str(e))}", file=sys.stderr)
+        said = "; ".join([str(e), *getattr(e, "__notes__", ())])
+        print(f"{prog}: {type(e).__name__}: {_one_line(said)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

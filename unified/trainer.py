@@ -163,6 +163,10 @@ class UnifiedTrainer:
                 # Bad input, a stop or a failure before the first step: a run that trained
                 # nothing leaves no directory behind to block the next try under its name.
                 await asyncio.to_thread(shutil.rmtree, self.run.path, True)
+            elif isinstance(error, Exception) and not isinstance(error, TrainingInterrupted):
+                checkpoint = await asyncio.to_thread(self.run.latest_checkpoint)
+                if checkpoint is not None:  # the failure did not touch it: say where to go on
+                    error.add_note(f"checkpoint {checkpoint}; continue with resume=true")
             raise error
         assert loop is not None
         return TrainResult(steps=loop.step, metrics=loop.last_metrics, run_dir=self.run.path)

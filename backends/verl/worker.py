@@ -51,6 +51,12 @@ class PolicyWorker(TrainingWorker):  # type: ignore[misc]
         self.ref: TrainingWorker | None = None
         self.staging = HostStaging()
 
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (the driver names it when the rank is lost)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
     def start_reference(self) -> None:
         """Build the frozen reference from the initial weights (every rank must call it)."""

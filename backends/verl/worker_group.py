@@ -1,7 +1,8 @@
 """The driver's handle on the policy workers: Ray, verl's `RayWorkerGroup`, and its calls.
 
 `PolicyGroup.start` joins a Ray cluster (or starts a private one on 127.0.0.1), places one
-`PolicyWorker` per data-parallel rank with verl's `RayResourcePool`/`RayWorkerGroup`, builds the
+`PolicyWorker` per data-parallel rank with verl's `RayResourcePool` and its `RayWorkerGroup`
+(watched for lost ranks: `watch.WatchedWorkerGroup`), builds the
 FSDP engine (`reset`), the frozen reference when a KL loss needs one (`start_reference`), and
 installs the loss (verl's `ppo_loss` with the KL term every backend uses, `ppo_loss_with_kl`).
 Its calls follow verl's trainer (`RayPPOTrainer._compute_old_log_prob` / `_compute_ref_log_prob`
@@ -61,8 +62,9 @@ class PolicyGroup:
     def start(self) -> None:
         """Start (or join) Ray, place the workers, build their engines and loss."""
         import ray
-        from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool
 
+        from backends.verl.watch import WatchedWorkerGroup
         from backends.verl.worker import PolicyWorker
         from unified.ray_runtime import join_ray, start_local_ray
 
@@ -95,7 +97,7 @@ class PolicyGroup:
         worker = RayClassWithInitArgs(
             ray.remote(PolicyWorker), config=self.worker_config, reference=self.reference_config
         )
-        self._group = RayWorkerGroup(
+        self._group = WatchedWorkerGroup(
             resource_pool=pool,
             ray_cls_with_init=worker,
             device_name=self.device,

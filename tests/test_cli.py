@@ -12,6 +12,8 @@ import yaml
 
 from unified.checkpoint import RunDirectory
 from unified.cli import main
+from unified.errors import BackendError
+from unified.testing import BanditBackend
 
 DEMO = Path(__file__).with_name("demo.yaml")
 
@@ -53,6 +55,28 @@ def test_bad_input_is_one_line_and_exit_code_2(
     assert code == 2, err
     assert expected in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+class LosesItsWorkers(BanditBackend):
+    """The bandit backend whose 15th optimizer step fails as a lost worker would."""
+
+    steps = 0
+
+    async def optim_step(self) -> dict[str, float]:
+        self.steps += 1
+        if self.steps == 15:
+            raise BackendError("worker rank 1 of 2 was lost during train_step")
+        return await super().optim_step()
+
+
+def test_a_run_failing_after_a_checkpoint_names_it_and_resume_in_one_line(
+    capsys: pytest.CaptureFixture[str], demo: list[str]
+) -> None:
+    code, _, err = run(capsys, "train", *demo, "backend=tests.test_cli:LosesItsWorkers")
+    assert code == 1, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "BackendError: worker rank 1 of 2 was lost during train_step; checkpoint " in err
+    assert err.strip().endswith("step_000010; continue with resume=true"), err
 
 
 def test_unknown_key_error_lists_the_valid_keys(

@@ -23,9 +23,10 @@ __all__ = ["WatchedWorkerGroup", "WorkerLostError"]
 POLL_S = 0.5
 """How often a call in flight checks its ranks' nodes."""
 
-NAMING_GRACE_S = 30.0
+NAMING_GRACE_S = 60.0
 """After a rank fails, how long to wait for Ray to say whether another rank was lost: a peer's
-death reaches the survivors (a broken collective) before the cluster's health check sees it."""
+death reaches the survivors (a broken collective) before the cluster's health checks see it, which
+takes up to tens of seconds at Ray's defaults."""
 
 
 class WorkerLostError(BackendError):

@@ -228,6 +228,23 @@ def writer_cpu_us(args: argparse.Namespace) -> float:
     return spent[0] / (args.steps * args.groups * args.group_size) * 1e6
 
 
+def records_cost(args: argparse.Namespace) -> tuple[float, float]:
+    """The step time with the rollout records over without them, and the same comparison
+    between two series of runs without (the noise floor of this host): `--records-runs` runs
+    each, interleaved in turns, compared by their lower quartiles. On a shared VM the slow runs
+    are other tenants' work, which only ever adds: the fast end of each series is the
+    trainer's own."""
+    one = argparse.Namespace(**{**vars(args), "repeats": 1})
+    series: dict[str, list[float]] = {"without": [], "with": [], "without, again": []}
+    kinds = list(series)
+    for turn in range(args.records_runs):
+        for kind in kinds[turn % 3 :] + kinds[: turn % 3]:
+            wall, _ = per_trajectory(one, "async", records=kind == "with")
+            series[kind].append(wall)
+    low = {kind: statistics.quantiles(times, n=4)[0] for kind, times in series.items()}
+    return low["with"] / low["without"], low["without, again"] / low["without"]
+
+
 def direct(args: argparse.Namespace) -> tuple[float, float]:
     """(Wall, CPU) microseconds per call of the workflow and backend alone, one after another."""
 
@@ -309,21 +326,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode (best is kept)")
     parser.add_argument("--in-flight", type=int, default=10_000)
     parser.add_argument("--in-flight-steps", type=int, default=4)
+    parser.add_argument(
+        "--records-runs", type=int, default=16, help="runs each without and with records"
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     (us_async, cpu_async), (us_sync, _) = (
         per_trajectory(args, "async"),
         per_trajectory(args, "sync"),
     )
-    # The rollout records' cost: runs without and with them in pairs (the order swapped each
-    # time), and the CPU time of the records' writer thread itself.
-    ratios, writer_us = [], []
-    for pair in range(args.repeats):
-        order = (False, True) if pair % 2 == 0 else (True, False)
-        timed = {records: per_trajectory(args, "async", records=records)[0] for records in order}
-        ratios.append(timed[True] / timed[False])
-        writer_us.append(writer_cpu_us(args))
-    records_ratio, records_cpu = statistics.median(ratios), statistics.median(writer_us)
+    records_ratio, noise_ratio = records_cost(args)
+    records_cpu = statistics.median(writer_cpu_us(args) for _ in range(3))
     us_direct, cpu_direct = direct(args)
     us_tasks, cpu_tasks = as_tasks(args)
     memory = in_flight(args)
@@ -335,9 +348,10 @@ def main() -> None:
     print(f"  sync trainer:  {us_sync:.1f} us per trajectory")
     print(
         f"  rollout records (defaults: one group in {LoggingConfig().record_every}, the "
-        f"timeline): {records_ratio - 1:+.1%} of step time (median of {args.repeats} pairs "
-        f"of runs without and with them); their writer thread's CPU: {records_cpu:.2f} us "
-        "per trajectory"
+        f"timeline): {records_ratio - 1:+.1%} of step time (lower quartiles of "
+        f"{args.records_runs} runs each without and with them; two series without differ by "
+        f"{noise_ratio - 1:+.1%}); their writer thread's CPU: {records_cpu:.2f} us per "
+        "trajectory"
     )
     print(
         f"  workflow + backend alone, no trainer: {us_direct:.1f} us per call "
@@ -363,6 +377,7 @@ def main() -> None:
         "cpu_us_per_trajectory": cpu_async,
         "us_per_trajectory_sync": us_sync,
         "records_step_time_ratio": records_ratio,
+        "records_noise_ratio": noise_ratio,
         "records_writer_cpu_us_per_trajectory": records_cpu,
         "us_per_call_without_trainer": us_direct,
         "cpu_us_per_call_without_trainer": cpu_direct,

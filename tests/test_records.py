@@ -90,10 +90,32 @@ async def write_one_of_each(run_dir: Path) -> RecordWriter:
     with timeline.span("optim"):
         pass
     writer.step(5, timeline.take(), trained_at=4, synced_to=5)
+    assert await writer.drain(30) == 4  # a checkpoint hands the step's records over
     writer.evaluated(5, 20.0, 21.0, 0.5, [(task, episodes[0], True)], version=5)
     writer.saved(5, 21.0, 22.0)
     assert await writer.drain(30) == 7
     return writer
+
+
+async def test_the_writer_gets_records_by_the_second_or_by_the_episodes_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each hand-off to the writer thread costs the loop; each episode waiting keeps objects
+    alive for the garbage collector to walk: a step hands over only past either bound."""
+    import unified.records as records
+
+    monkeypatch.setattr(records, "FLUSH_EVERY_S", 3600.0)
+    monkeypatch.setattr(records, "FLUSH_EPISODES", 4)
+    writer = RecordWriter(tmp_path, every=1, eval_episodes=False, max_mb=1)
+    ticket = GroupTicket(3, 4, "g000004-t1", "t1", dispatched=10.0)
+    for step in (1, 2):
+        writer.group(step, ticket, "trained", 0, [two_turn_episode(0, 1.0)] * 2, {0: 1.0})
+        writer.step(step, [], trained_at=0, synced_to=None)
+        assert len(writer._pending) == step - 1, "two episodes wait; four go to the writer"
+    monkeypatch.setattr(records, "FLUSH_EVERY_S", 0.0)
+    writer.step(3, [], trained_at=0, synced_to=None)
+    assert await writer.drain(30) == 7
+    await writer.close(30)
 
 
 async def test_each_record_type_reads_back_as_written(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import to_json
@@ -62,6 +62,12 @@ __all__ = [
 ]
 
 RECORDS_DIR = "records"
+FLUSH_EVERY_S = 1.0
+FLUSH_EPISODES = 256
+"""The writer thread gets the queued records once a step when `FLUSH_EVERY_S` passed or
+`FLUSH_EPISODES` episodes wait, and at every drain (a checkpoint drains what it keeps). Each
+hand-off costs the event loop GIL switches; each episode waiting keeps its objects alive, and
+the garbage collector's young collections walk them all."""
 EpisodeOutcome = Literal["trained", "filtered", "failed", "requeued", "eval"]
 SpanKind = Literal["wait", "forward", "optim", "sync"]
 
@@ -230,9 +236,12 @@ class RecordWriter:
         self.lines = lines
         """Lines written so far (counting files since removed): a checkpoint keeps it."""
         self._files: list[list[Any]] | None = None  # [first line, path, bytes], oldest first
+        self._file: BinaryIO | None = None  # the newest file, open for appending
+        self._flushed = time.monotonic()
         self._writer = DaemonWorker("unified-records") if enabled else None
         self._pending: list[asyncio.Future[None]] = []
         self._batch: list[Any] = []  # builds queued since the last flush
+        self._queued = 0  # episodes in them
 
     def records_group(self, seq: int) -> bool:
         """Whether the group dispatched `seq`-th has its episodes recorded."""
@@ -258,6 +267,7 @@ class RecordWriter:
         `advantages` by rollout index for the episodes it trained on."""
         task = ticket.task.data if ticket.task is not None else {}
         trained = advantages or {}
+        self._queued += len(episodes)
 
         def build() -> list[dict[str, Any]]:
             return [
@@ -284,11 +294,13 @@ class RecordWriter:
         trained_at: int,
         synced_to: int | None,
     ) -> None:
-        """The timeline of optimizer step `step`; what the step recorded goes to the writer."""
+        """The timeline of optimizer step `step`; what was recorded goes to the writer when
+        `FLUSH_EVERY_S` passed or `FLUSH_EPISODES` wait."""
         self._submit(
             lambda: [StepRecord(step=step, trained_at=trained_at, synced_to=synced_to, spans=spans)]
         )
-        self._flush()
+        if self._queued >= FLUSH_EPISODES or time.monotonic() - self._flushed >= FLUSH_EVERY_S:
+            self._flush()
 
     def evaluated(
         self,
@@ -347,11 +359,12 @@ class RecordWriter:
         return self.lines
 
     async def close(self, timeout_s: float) -> None:
-        """Write what is queued, then end the thread."""
+        """Write what is queued, close the file, then end the thread."""
         try:
             await self.drain(timeout_s)
         finally:
             if self._writer is not None:
+                self._writer.submit(self._close_file)
                 self._writer.close()
 
     # -- on the writer thread ---------------------------------------------------------------------
@@ -362,8 +375,10 @@ class RecordWriter:
             self._batch.append(build)
 
     def _flush(self) -> None:
-        """Hand the queued builds to the writer thread: one wake-up and one gzip member each
-        step, not one per group (the thread's wake-ups and GIL hand-offs cost the trainer)."""
+        """Hand the queued builds to the writer thread: one wake-up and one gzip member for
+        all of them, not one per group (the thread's wake-ups and GIL hand-offs cost the
+        trainer)."""
+        self._flushed, self._queued = time.monotonic(), 0
         if self._writer is None or not self._batch:
             return
         builds, self._batch = self._batch, []
@@ -386,13 +401,21 @@ class RecordWriter:
         files = self._files
         if not files or files[-1][2] >= self._file_bytes:
             files.append([self.lines, self.directory / f"records-{self.lines:09d}.jsonl.gz", 0])
+            self._close_file()
         current = files[-1]
-        with current[1].open("ab") as f:
-            f.write(member)
+        if self._file is None:  # kept open: each open and close is one more GIL hand-off
+            self._file = current[1].open("ab")
+        self._file.write(member)
+        self._file.flush()  # whole members reach the file: a kill tears at most the last
         current[2] += len(member)
         self.lines += len(records)
         while len(files) > 1 and sum(size for _, _, size in files) > self._max_bytes:
             files.pop(0)[1].unlink()  # the oldest go first
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def _episode_record(
         self,
@@ -445,7 +468,6 @@ class RecordWriter:
         multi-turn chat's does)."""
         turns: list[dict[str, Any]] = []
         seen: list[int] = []
-        pieces = self._pieces
         for step in trajectory.steps:
             out = step.output
             prompt = out.prompt_ids
@@ -457,7 +479,7 @@ class RecordWriter:
                     "prompt": self._decode(new),
                     "prompt_tokens": len(new),
                     "ids": ids,
-                    "pieces": [pieces.get(i) or self._piece(i) for i in ids],
+                    "pieces": self._pieces_of(ids),
                     # To 1e-4, toward zero: a third of `round`'s time, as exact for reading.
                     "logprobs": [int(lp * 10_000) / 10_000 for lp in out.logprobs],
                     "versions": out.token_versions or [out.policy_version] * len(ids),
@@ -484,11 +506,19 @@ class RecordWriter:
         except Exception as e:  # a record must not take the run down
             return f"<{len(ids)} tokens; decode failed: {type(e).__name__}>"
 
-    def _piece(self, token: int) -> str:
-        piece = self._pieces.get(token)
-        if piece is None:
-            piece = self._pieces[token] = self._decode_new([token])
-        return piece
+    def _pieces_of(self, ids: list[int]) -> list[str]:
+        """Each token's text piece (decoded once per token id, then looked up)."""
+        pieces = self._pieces
+        found: list[str | None] = list(map(pieces.get, ids))
+        if None not in found:
+            return found  # type: ignore[return-value]
+        for i, token in enumerate(ids):
+            if found[i] is None:
+                piece = pieces.get(token)
+                if piece is None:
+                    piece = pieces[token] = self._decode_new([token])
+                found[i] = piece
+        return found  # type: ignore[return-value]
 
 
 def _plain(info: dict[str, Any]) -> dict[str, Any]:

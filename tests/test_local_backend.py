@@ -488,13 +488,14 @@ async def test_partial_rollout_across_a_weight_sync_keeps_its_tokens_and_records
         for p in backend.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     trained = backend.model.state_dict()
-    cut_at, calls = 4, 0
+    cut_at, calls, synced_at = 4, 0, 0.0
 
     def sync_mid_batch(*_: Any) -> None:
-        nonlocal calls
+        nonlocal calls, synced_at
         calls += 1
         if calls == cut_at:  # the sync lands while this batch decodes its 4th token
             sampler.load_weights(trained, 1)
+            synced_at = time.time()
 
     hook = sampler.model.lm_head.register_forward_hook(sync_mid_batch)
     batches = sampler.batches
@@ -506,6 +507,9 @@ async def test_partial_rollout_across_a_weight_sync_keeps_its_tokens_and_records
     assert sampler.batches - batches == 2, "cut at the sync, continued in the next batch"
     assert out.policy_version == 0 and out.oldest_version == 0 and out.finish_reason != "aborted"
     assert out.token_versions == [0] * cut_at + [1] * (n - cut_at)
+    assert out.token_times is not None, "the built-in sampler reports its token times"
+    first, last = out.token_times
+    assert first < synced_at < last, "the first token is the first batch's, the last the next's"
     assert out.completion_ids[:cut_at] == uncut.completion_ids[:cut_at], "tokens before it kept"
     assert out.logprobs[:cut_at] == uncut.logprobs[:cut_at], "logprobs before it kept"
     old_lp, new_lp = (

@@ -72,7 +72,9 @@ def two_turn_episode(index: int, reward: float) -> Episode:
         rollout_index=index,
         trajectories=[Trajectory(steps=steps, reward=reward)],
         policy_version=3,
-        timing=EpisodeTiming(started=10.5, ended=12.0, calls=[(10.6, 11.0), (11.5, 11.9)]),
+        timing=EpisodeTiming(
+            started=10.5, ended=12.0, calls=[(10.6, 11.0), (11.5, 11.6, 11.8, 11.9)]
+        ),
     )
 
 
@@ -146,7 +148,7 @@ async def test_each_record_type_reads_back_as_written(tmp_path: Path) -> None:
     assert second.logprobs == [-0.25, -0.125] and second.ids == ids("=7")
     assert kept.timing is not None
     assert (kept.timing.dispatched, kept.timing.started, kept.timing.ended) == (10.0, 10.5, 12.0)
-    assert kept.timing.calls == [(10.6, 11.0), (11.5, 11.9)]
+    assert kept.timing.calls == [(10.6, 11.0), (11.5, 11.6, 11.8, 11.9)]
 
     assert isinstance(step, StepRecord) and (step.trained_at, step.synced_to) == (4, 5)
     assert [kind for kind, _, _ in step.spans] == ["wait", "optim"]

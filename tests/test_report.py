@@ -49,7 +49,10 @@ def test_the_records_hold_the_timeline_of_every_step_and_episode(run_dir: Path) 
     for r in train:
         t = r.timing
         assert t is not None and t.dispatched <= t.started <= t.ended
-        assert t.calls and all(t.started <= a <= b <= t.ended for a, b in t.calls)
+        assert t.calls and all(t.started <= c[0] and c[-1] <= t.ended for c in t.calls)
+        assert all(list(c) == sorted(c) for c in t.calls), "request <= tokens <= reply"
+        # The built-in sampler reports each call's first and last token.
+        assert all(len(c) == 4 for c in t.calls), t.calls
     evals = [r for r in records if isinstance(r, EpisodeRecord) and r.outcome == "eval"]
     assert sorted({r.step for r in evals}) == [0, 3, 6] and len(evals) == 3 * 6
 

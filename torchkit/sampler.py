@@ -31,6 +31,7 @@ import asyncio
 import copy
 import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,17 +139,21 @@ def generate_batch(
         prefixes = [prefix_cache.get(context, generation) for context in contexts]
     logits_BV = stepper.prefill(ids_BL, mask_BL, prefixes).float()
     finish: list[FinishReason | None] = [None] * B
+    first_at, last_at = 0.0, [0.0] * B  # wall-clock times of the first and each last token
     rows = list(range(B))  # request index of each row still in the batch
     for t in range(max_new):
         logp_BV = torch.log_softmax(logits_BV / safe_t_B, dim=-1)
         next_B = _sample(logp_BV, greedy_B, uniforms_BN[:, t], top_p_B if any_top_p else None)
         chosen_B = logp_BV.gather(1, next_B[:, None])[:, 0]
         next_list, chosen_list = next_B.tolist(), chosen_B.tolist()
+        now = time.time()
+        first_at = first_at or now
         ended: list[tuple[int, int]] = []  # (row in the batch, request) that finished now
         for i, b in enumerate(rows):
             if finish[b] is not None:
                 continue  # finished, but still in the batch until the next compaction
             r = requests[b]
+            last_at[b] = now
             tokens[b].append(next_list[i])
             logprobs[b].append(chosen_list[i])
             versions[b].append(version)
@@ -193,6 +198,7 @@ def generate_batch(
             # Recorded only when the request spans a sync; otherwise every token has policy_version.
             token_versions=versions[b] if r.prefix or finish[b] == "aborted" else None,
             temperature=r.params.temperature,
+            token_times=_token_times(r.prefix, first_at, last_at[b]),
         )
         for b, r in enumerate(requests)
     ]
@@ -204,6 +210,15 @@ def _token_versions(prefix: ModelOutput | None) -> list[int]:
     if prefix.token_versions is not None:
         return list(prefix.token_versions)
     return [prefix.policy_version] * len(prefix.completion_ids)
+
+
+def _token_times(
+    prefix: ModelOutput | None, first: float, last: float
+) -> tuple[float, float] | None:
+    """A request's first and last token times; a continued request's first is its prefix's."""
+    if not last:  # nothing sampled (it was cut before its first token)
+        return prefix.token_times if prefix else None
+    return (prefix.token_times[0] if prefix and prefix.token_times else first), last
 
 
 def _uniforms(seed: int | None, n: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ from pydantic_core import to_json
 
 from unified.errors import StallError
 from unified.threads import DaemonWorker
-from unified.types import Episode, EpisodeStatus, Task, Trajectory
+from unified.types import CallTimes, Episode, EpisodeStatus, Task, Trajectory
 
 if TYPE_CHECKING:
     from unified.groups import GroupTicket
@@ -105,12 +105,13 @@ class TurnRecord(_Record):
 
 class TimingRecord(_Record):
     """Wall-clock times of an episode: its group's dispatch, its workflow's start and end (the
-    wait for a slot is between the first two), and each model call's request and reply."""
+    wait for a slot is between the first two), and each model call's request and reply, with
+    its first and last token's between where the sampler reports them (`CallTimes`)."""
 
     dispatched: float
     started: float
     ended: float
-    calls: list[tuple[float, float]] = Field(default_factory=list)
+    calls: list[CallTimes] = Field(default_factory=list)
 
 
 class EpisodeRecord(_Record):

@@ -27,6 +27,7 @@ from unified.errors import BackendReplyError, UsageError, WorkflowError
 from unified.imports import import_object
 from unified.protocol import RolloutEngine, Tokenizer, TokenSampler
 from unified.types import (
+    CallTimes,
     Episode,
     EpisodeStatus,
     EpisodeTiming,
@@ -117,8 +118,9 @@ class SamplingEngine(RolloutEngine):
         self._clock = clock
         self._calls = 0
         self.completion_tokens = 0
-        self.call_times: list[tuple[float, float]] = []
-        """Each request's wall-clock send and reply times, in order (the episode's timing)."""
+        self.call_times: list[CallTimes] = []
+        """Each request's wall-clock send and reply times (with its first and last token's
+        between, where the sampler reports them), in order: the episode's timing."""
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -153,12 +155,14 @@ class SamplingEngine(RolloutEngine):
         sent = time.time()
         with contextlib.nullcontext() if self._clock is None else self._clock.busy():
             output = await self._sampler.sample(prompt_ids, params)
-        self.call_times.append((sent, time.time()))
+        replied = time.time()
         if not isinstance(output, ModelOutput):
             raise BackendReplyError(
                 f"token sampler returned {type(output).__name__}, not ModelOutput (fix the "
                 "backend's token_sampler().sample)"
             )
+        tokens = output.token_times
+        self.call_times.append((sent, *tokens, replied) if tokens else (sent, replied))
         self.completion_tokens += len(output.completion_ids)
         return output
 

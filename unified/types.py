@@ -178,6 +178,12 @@ class ModelOutput(_Model):
     temperature: float | None = Field(
         None, description="Sampling temperature the logprobs are under, if the backend says."
     )
+    token_times: tuple[float, float] | None = Field(
+        None,
+        description="Wall-clock times (`time.time()`) of this call's first and last sampled "
+        "token, if the sampler reports them (the built-in one does): the rollout records' "
+        "timeline tells queueing and prefill from decoding with them.",
+    )
 
     # Field validators, not a model validator: pydantic re-runs a model's after-validators each
     # time an instance is nested into another model (every Step), field validators only once.
@@ -280,14 +286,19 @@ class Trajectory(_Model):
         return runs
 
 
+CallTimes = tuple[float, float] | tuple[float, float, float, float]
+"""One model call's wall-clock (request, reply), or (request, first token, last token, reply)."""
+
+
 class EpisodeTiming(_Model):
     """When one rollout ran, in wall-clock seconds (`time.time()`), as its runner saw it: the
-    workflow's start and end, and each model call's request and reply. The rollout records'
-    timeline draws it; nothing trains on it."""
+    workflow's start and end, and each model call's (request, reply), or (request, first token,
+    last token, reply) where the sampler reports its token times. The rollout records' timeline
+    draws it; nothing trains on it."""
 
     started: float
     ended: float
-    calls: list[tuple[float, float]] = Field(default_factory=list)
+    calls: list[CallTimes] = Field(default_factory=list)
 
 
 class Episode(_Model):

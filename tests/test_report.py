@@ -16,8 +16,9 @@ import pytest
 from bench.browser import Chromium, chromium_path
 from bench.crashing import countdown_config
 from unified import UnifiedTrainer
+from unified.cli import main
 from unified.records import EpisodeRecord, StepRecord, read_records, record_files
-from unified.report import write_report
+from unified.report import serve_report, write_report
 
 STEPS = 6
 
@@ -92,6 +93,43 @@ def test_the_command_writes_it_and_answers_bad_input_in_one_line(
     message = bad.stderr.strip()
     assert bad.returncode == 2 and len(message.splitlines()) == 1, message
     assert f"{first}:2: not JSON" in message
+
+
+def test_serve_answers_the_report_as_the_run_is_at_each_load(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import threading
+    import urllib.error
+    import urllib.request
+
+    live = tmp_path / "live"
+    shutil.copytree(run_dir, live)
+    server = serve_report(live, 0)
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with urllib.request.urlopen(url + "/", timeout=30) as reply:
+            html = reply.read().decode()
+        data = json.loads(html.split('id="report-data">', 1)[1].split("</script>", 1)[0])
+        assert len(data["timeline"]["steps"]) == STEPS
+
+        (_, first), *_ = record_files(live / "records")  # the run changes: the next load sees it
+        first.write_bytes(gzip.compress(b'{"type": "nope"}\n'))
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(url + "/", timeout=30)
+        assert failed.value.code == 500 and f"{first}:1: " in failed.value.read().decode()
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(url + "/other", timeout=30)
+    finally:
+        server.shutdown()
+        server.server_close()
+        serving.join(timeout=30)
+
+    assert main(["report", str(live), "--serve", "70000"]) == 2
+    assert main(["report", str(live), "--serve", "0", "--output", "x.html"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert "a port is 0-65535" in said[0] and "do not go together" in said[1]
 
 
 CHROMIUM = chromium_path()

@@ -63,6 +63,13 @@ def _parser(contributed: Sequence[str] = ()) -> argparse.ArgumentParser:
     )
     report.add_argument("run_dir", help="the run directory, runs/<name>")
     report.add_argument("--output", help="HTML path (default: <run_dir>/report.html)")
+    report.add_argument(
+        "--serve",
+        type=int,
+        metavar="PORT",
+        help="serve the report on http://127.0.0.1:PORT/ instead, read afresh at each load "
+        "(for a run still going); Ctrl-C stops",
+    )
     return parser
 
 
@@ -110,20 +117,41 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "eval":
         return _eval(args.config, args.overrides, checkpoint=args.checkpoint, json_path=args.json)
     if args.command == "report":
-        return _report(args.run_dir, args.output)
+        return _report(args.run_dir, args.output, args.serve)
     from unified.plot import plot_run
 
     print(plot_run(args.run_dir, args.output))
     return 0
 
 
-def _report(run_dir: str, output: str | None) -> int:
+def _report(run_dir: str, output: str | None, port: int | None) -> int:
     from pathlib import Path
 
-    from unified.report import write_report
+    from unified.report import serve_report, write_report
 
     if not Path(run_dir).is_dir():
         raise UsageError(f"{run_dir!r} is not a directory; give a run directory, runs/<name>")
+    if port is not None:
+        if output:
+            raise UsageError("--serve and --output do not go together: serve, or write a file")
+        if not 0 <= port <= 65535:
+            raise UsageError(f"--serve {port}: a port is 0-65535 (0 picks a free one)")
+        try:
+            server = serve_report(run_dir, port)
+        except OSError as e:
+            raise UsageError(
+                f"--serve {port}: cannot listen there ({e.strerror}); try another port"
+            ) from e
+        with server:
+            url = f"http://127.0.0.1:{server.server_address[1]}/"
+            print(
+                f"serving the report of {run_dir} at {url} (read afresh at each load; Ctrl-C stops)"
+            )
+            try:
+                server.serve_forever()
+            except KeyboardInterrupt:
+                print("stopped")
+        return 0
     if output and not Path(output).parent.is_dir():
         raise UsageError(f"--output {output!r}: its folder does not exist; create it first")
     path, warnings = write_report(run_dir, output)

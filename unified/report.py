@@ -1,4 +1,5 @@
-"""`unified report runs/<name>`: one self-contained `report.html` of a run.
+"""`unified report runs/<name>`: one self-contained `report.html` of a run (`--serve`: the same
+page over HTTP, read afresh at each load, for a run still going).
 
 It reads what the run wrote: `config.yaml`, `metrics.jsonl`, `ledger.jsonl` and the rollout
 records (`unified.records`), and writes one HTML file that needs no network and opens from the
@@ -15,6 +16,7 @@ import json
 import math
 import os
 from collections import Counter, defaultdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from unified.records import (
     read_records,
 )
 
-__all__ = ["report_data", "write_report"]
+__all__ = ["render_report", "report_data", "serve_report", "write_report"]
 
 _HISTOGRAM_BINS = 30
 
@@ -43,6 +45,48 @@ def write_report(run_dir: str | Path, output: str | Path | None = None) -> tuple
     """Write the report of `run_dir` to `output` (default `<run_dir>/report.html`); return its
     path and the warnings met on the way (a torn last record, a run without records)."""
     run_dir = Path(run_dir)
+    html, warnings = render_report(run_dir)
+    path = Path(output) if output is not None else run_dir / "report.html"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(html, encoding="utf-8")
+    os.replace(tmp, path)
+    return path, warnings
+
+
+def serve_report(run_dir: str | Path, port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    """An HTTP server (not yet serving: call `serve_forever`) whose `/` is the report of
+    `run_dir` as the run is now, read afresh at each load; a damaged record answers 500 with
+    its one-line error. Bound to `host`, the loopback address unless told otherwise."""
+    directory = Path(run_dir)
+
+    class Report(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path not in ("/", "/report.html"):
+                self._reply(404, "text/plain", b"the report is at /")
+                return
+            try:
+                html, _ = render_report(directory)
+            except UsageError as e:
+                self._reply(500, "text/plain; charset=utf-8", str(e).encode())
+                return
+            self._reply(200, "text/html; charset=utf-8", html.encode())
+
+        def _reply(self, status: int, kind: str, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # one line per load would drown the console
+
+    return ThreadingHTTPServer((host, port), Report)
+
+
+def render_report(run_dir: Path) -> tuple[str, list[str]]:
+    """The report page of `run_dir`, and the warnings met reading it."""
     data, warnings = report_data(run_dir)
     assets = resources.files("unified") / "report_assets"
     html = (assets / "report.html").read_text(encoding="utf-8")
@@ -56,11 +100,7 @@ def write_report(run_dir: str | Path, output: str | Path | None = None) -> tuple
         ("/*__DATA__*/", payload),
     ):
         html = html.replace(marker, text, 1)
-    path = Path(output) if output is not None else run_dir / "report.html"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(html, encoding="utf-8")
-    os.replace(tmp, path)
-    return path, warnings
+    return html, warnings
 
 
 def report_data(run_dir: Path) -> tuple[dict[str, Any], list[str]]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import gzip
 import json
 import statistics
 import tempfile
@@ -198,10 +199,20 @@ def per_trajectory(
     return best
 
 
-def writer_cpu_us(args: argparse.Namespace) -> float:
-    """CPU microseconds per trajectory that the records' writer thread spent in one async run."""
-    spent = [0.0]
+def writer_cpu_us(args: argparse.Namespace) -> tuple[float, float]:
+    """CPU microseconds per trajectory that the records' writer thread spent in one async run,
+    in all and outside the compression (which releases the GIL): the rest holds the GIL, so
+    the event loop cannot run while it does."""
+    spent, compressing = [0.0], [0.0]
     write = RecordWriter._write
+    compress = gzip.compress
+
+    def timed_compress(data: bytes, *args: Any, **kwargs: Any) -> bytes:
+        started = time.thread_time()
+        try:
+            return compress(data, *args, **kwargs)
+        finally:
+            compressing[0] += time.thread_time() - started
 
     def timed(self: RecordWriter, records: list[Any]) -> None:
         started = time.thread_time()
@@ -221,16 +232,19 @@ def writer_cpu_us(args: argparse.Namespace) -> float:
         submit(self, built)
 
     RecordWriter._write, RecordWriter._submit = timed, timed_submit  # type: ignore[method-assign]
+    gzip.compress = timed_compress
     try:
         per_trajectory(argparse.Namespace(**{**vars(args), "repeats": 1}), "async")
     finally:
         RecordWriter._write, RecordWriter._submit = write, submit  # type: ignore[method-assign]
-    return spent[0] / (args.steps * args.groups * args.group_size) * 1e6
+        gzip.compress = compress
+    per_us = 1e6 / (args.steps * args.groups * args.group_size)
+    return spent[0] * per_us, (spent[0] - compressing[0]) * per_us
 
 
 def records_cost(args: argparse.Namespace) -> tuple[float, float]:
-    """The step time with the rollout records over without them, and the same comparison
-    between two series of runs without (the noise floor of this host): `--records-runs` runs
+    """The step time with the rollout records over without them (both series without pooled),
+    and the two series without compared (the noise floor of this host): `--records-runs` runs
     each, interleaved in turns, compared by their lower quartiles. On a shared VM the slow runs
     are other tenants' work, which only ever adds: the fast end of each series is the
     trainer's own."""
@@ -241,8 +255,13 @@ def records_cost(args: argparse.Namespace) -> tuple[float, float]:
         for kind in kinds[turn % 3 :] + kinds[: turn % 3]:
             wall, _ = per_trajectory(one, "async", records=kind == "with")
             series[kind].append(wall)
-    low = {kind: statistics.quantiles(times, n=4)[0] for kind, times in series.items()}
-    return low["with"] / low["without"], low["without, again"] / low["without"]
+
+    def low(times: list[float]) -> float:
+        return statistics.quantiles(times, n=4)[0]
+
+    without = low(series["without"] + series["without, again"])
+    noise = low(series["without, again"]) / low(series["without"])
+    return low(series["with"]) / without, noise
 
 
 def direct(args: argparse.Namespace) -> tuple[float, float]:
@@ -336,7 +355,9 @@ def main() -> None:
         per_trajectory(args, "sync"),
     )
     records_ratio, noise_ratio = records_cost(args)
-    records_cpu = statistics.median(writer_cpu_us(args) for _ in range(3))
+    writer = [writer_cpu_us(args) for _ in range(3)]
+    records_cpu = statistics.median(total for total, _ in writer)
+    records_gil = statistics.median(held for _, held in writer)
     us_direct, cpu_direct = direct(args)
     us_tasks, cpu_tasks = as_tasks(args)
     memory = in_flight(args)
@@ -349,9 +370,10 @@ def main() -> None:
     print(
         f"  rollout records (defaults: one group in {LoggingConfig().record_every}, the "
         f"timeline): {records_ratio - 1:+.1%} of step time (lower quartiles of "
-        f"{args.records_runs} runs each without and with them; two series without differ by "
-        f"{noise_ratio - 1:+.1%}); their writer thread's CPU: {records_cpu:.2f} us per "
-        "trajectory"
+        f"{args.records_runs} runs with them and twice as many without; two series without "
+        f"differ by {noise_ratio - 1:+.1%}); their writer thread's CPU: {records_cpu:.2f} us per "
+        f"trajectory, {records_gil:.2f} us of it holding the GIL "
+        f"({records_gil / us_async:.1%} of the async trainer's time)"
     )
     print(
         f"  workflow + backend alone, no trainer: {us_direct:.1f} us per call "
@@ -379,6 +401,7 @@ def main() -> None:
         "records_step_time_ratio": records_ratio,
         "records_noise_ratio": noise_ratio,
         "records_writer_cpu_us_per_trajectory": records_cpu,
+        "records_writer_gil_us_per_trajectory": records_gil,
         "us_per_call_without_trainer": us_direct,
         "cpu_us_per_call_without_trainer": cpu_direct,
         "us_per_call_as_tasks": us_tasks,

@@ -350,6 +350,8 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
+    if args.records_runs < 2:
+        parser.error("--records-runs: at least 2 (a lower quartile needs two runs)")
     (us_async, cpu_async), (us_sync, _) = (
         per_trajectory(args, "async"),
         per_trajectory(args, "sync"),

@@ -26,6 +26,7 @@ are recorded once, with its ledger line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import os
@@ -364,9 +365,10 @@ class RecordWriter:
         try:
             await self.drain(timeout_s)
         finally:
-            if self._writer is not None:
-                self._writer.submit(self._close_file)
-                self._writer.close()
+            writer, self._writer = self._writer, None
+            if writer is not None:  # a second close finds nothing to do
+                writer.submit(self._close_file)
+                writer.close()
 
     # -- on the writer thread ---------------------------------------------------------------------
 
@@ -406,17 +408,22 @@ class RecordWriter:
         current = files[-1]
         if self._file is None:  # kept open: each open and close is one more GIL hand-off
             self._file = current[1].open("ab")
-        self._file.write(member)
-        self._file.flush()  # whole members reach the file: a kill tears at most the last
+        try:
+            self._file.write(member)
+            self._file.flush()  # whole members reach the file: a kill tears at most the last
+        except BaseException:
+            with contextlib.suppress(OSError):  # the write's own error is the one to raise
+                self._close_file()  # the file reopens for the next write: a torn end stays last
+            raise
         current[2] += len(member)
         self.lines += len(records)
         while len(files) > 1 and sum(size for _, _, size in files) > self._max_bytes:
             files.pop(0)[1].unlink()  # the oldest go first
 
     def _close_file(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()
 
     def _episode_record(
         self,

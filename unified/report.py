@@ -66,8 +66,9 @@ def serve_report(run_dir: str | Path, port: int, host: str = "127.0.0.1") -> Thr
                 return
             try:
                 html, _ = render_report(directory)
-            except UsageError as e:
-                self._reply(500, "text/plain; charset=utf-8", str(e).encode())
+            except Exception as e:  # a damaged record, or a file the live run just rotated away
+                said = str(e) if isinstance(e, UsageError) else f"{type(e).__name__}: {e}"
+                self._reply(500, "text/plain; charset=utf-8", said.encode())
                 return
             self._reply(200, "text/html; charset=utf-8", html.encode())
 

@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from unified.checkpoint import RunDirectory, TrainerState
 from unified.config import TrainerConfig, check_rl_groups, load_config
 from unified.data import TaskSampler, check_fields, load_eval_tasks, load_tasks
-from unified.errors import TrainingInterrupted, TrainingStopped, first_cause
+from unified.errors import TrainingInterrupted, TrainingStopped, UsageError, first_cause
 from unified.loop import TrainingLoop
 from unified.metrics import metrics_for
 from unified.model_provider import model_provider, resolve_model
@@ -163,7 +163,12 @@ class UnifiedTrainer:
                 # Bad input, a stop or a failure before the first step: a run that trained
                 # nothing leaves no directory behind to block the next try under its name.
                 await asyncio.to_thread(shutil.rmtree, self.run.path, True)
-            elif isinstance(error, Exception) and not isinstance(error, TrainingInterrupted):
+            elif (
+                loop is not None
+                and loop.step >= 1
+                and isinstance(error, Exception)
+                and not isinstance(error, TrainingInterrupted | UsageError)
+            ):  # a failure in training, after a step: this run's newest checkpoint holds it
                 checkpoint = await asyncio.to_thread(self.run.latest_checkpoint)
                 if checkpoint is not None:  # the failure did not touch it: say where to go on
                     error.add_note(f"checkpoint {checkpoint}; continue with resume=true")

@@ -36,9 +36,10 @@ class WorkerLostError(BackendError):
 class WatchedWorkerGroup(RayWorkerGroup):
     """verl's `RayWorkerGroup`, whose calls fail in seconds when one of its ranks is lost."""
 
+    _watching = False  # verl's own set-up calls go unwatched: the ranks' nodes are not known yet
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._watching = False
         self.nodes: list[str] = ray.get([w.node_id.remote() for w in self._workers])
         """Each rank's Ray node id."""
         self._watching = True
@@ -57,7 +58,7 @@ class WatchedWorkerGroup(RayWorkerGroup):
         failed: tuple[int, BaseException] | None = None
         give_up = float("inf")
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
             for ref in ready:
                 try:
                     ray.get(ref)
@@ -66,13 +67,16 @@ class WatchedWorkerGroup(RayWorkerGroup):
                 except Exception as e:  # the rank's own failure: maybe a peer lost mid-collective
                     if failed is None:
                         failed, give_up = (rank_of[ref], e), time.monotonic() + NAMING_GRACE_S
-            for rank in self._ranks_on_dead_nodes():
+            for rank in self._ranks_on_dead_nodes() if pending else ():
                 raise self._lost(rank, method, None)
             if failed is not None and (not pending or time.monotonic() > give_up):
                 raise failed[1]
 
     def _ranks_on_dead_nodes(self) -> list[int]:
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        try:
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        except Exception:  # the cluster's control service did not answer: ask again next poll
+            return []
         return [rank for rank, node in enumerate(self.nodes) if node not in alive]
 
     def _lost(self, rank: int, method: str, error: BaseException | None) -> WorkerLostError:

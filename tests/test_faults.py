@@ -309,3 +309,19 @@ def test_a_tinker_server_that_stops_answering_fails_the_run_fast_naming_the_call
     assert "create_lora_training_client failed 2 times in a row" in str(caught.value)
     assert "tinker.request_timeout_s=1 s" in str(caught.value), "the message names the deadline"
     assert elapsed < 8, f"the run took {elapsed:.0f} s to fail: it waited on the stuck call"
+
+
+def test_a_second_fit_failing_before_its_run_directory_removes_nothing_of_the_first(
+    make_config: ConfigFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = UnifiedTrainer(make_config(), backend=BanditBackend(), train_tasks=bandit_tasks(32))
+    first = trainer.fit()
+    assert first.run_dir.is_dir()
+
+    def fails(config: Any) -> Any:
+        raise RuntimeError("the model cannot be resolved")
+
+    monkeypatch.setattr("unified.trainer.resolve_model", fails)
+    with pytest.raises(RuntimeError, match="cannot be resolved"):
+        trainer.fit()
+    assert (first.run_dir / "ledger.jsonl").is_file(), "the first run's directory is kept"

@@ -138,6 +138,7 @@ class UnifiedTrainer:
         loop: TrainingLoop | None = None
         error: BaseException | None = None
         self._built = None
+        self.run.created = False  # of this `fit`: a failure before it makes one removes nothing
         try:
             describe = "before training: no group dispatched yet"
             async with backend_session(self.backend, self.config, describe=describe) as s:

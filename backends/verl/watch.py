@@ -73,18 +73,14 @@ class WatchedWorkerGroup(RayWorkerGroup):
                 raise failed[1]
 
     def _ranks_on_dead_nodes(self) -> list[int]:
-        try:
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        except Exception:  # the cluster's control service did not answer: ask again next poll
-            return []
-        return [rank for rank, node in enumerate(self.nodes) if node not in alive]
+        alive = {n["NodeID"] for n in _cluster_nodes() if n.get("Alive")}
+        return [rank for rank, node in enumerate(self.nodes) if alive and node not in alive]
 
     def _lost(self, rank: int, method: str, error: BaseException | None) -> WorkerLostError:
         node = self.nodes[rank]
-        where = next(
-            (n.get("NodeManagerAddress", "?") for n in ray.nodes() if n["NodeID"] == node), "?"
-        )
-        dead = rank in self._ranks_on_dead_nodes()
+        known = {n["NodeID"]: n for n in _cluster_nodes()}
+        where = known.get(node, {}).get("NodeManagerAddress", "?")
+        dead = bool(known) and not known.get(node, {}).get("Alive", False)
         why = "its node left the cluster" if dead else "its worker process died"
         if error is not None and not dead:
             why += f" ({type(error).__name__})"
@@ -92,3 +88,11 @@ class WatchedWorkerGroup(RayWorkerGroup):
             f"verl worker rank {rank} of {len(self.nodes)} on node {node[:12]} at {where} was "
             f"lost during {method}: {why}; the group cannot train without it, so the run stops"
         )
+
+
+def _cluster_nodes() -> list[dict[str, Any]]:
+    """Ray's node table; empty when its control service does not answer (ask again later)."""
+    try:
+        return list(ray.nodes())
+    except Exception:
+        return []

@@ -7,6 +7,7 @@ Skipped where vLLM is not installed (the install recipe: docs/engines.md).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -114,6 +115,24 @@ async def test_greedy_decoding_matches_the_builtin_sampler(
         assert ours.completion_ids == theirs.completion_ids
         assert ours.finish_reason == theirs.finish_reason
         assert ours.text == theirs.text
+
+
+async def test_each_output_carries_its_first_and_last_token_times(
+    sampler: VllmSampler, policy: tuple[torch.nn.Module, object, Path]
+) -> None:
+    _, tokenizer, _ = policy
+    sent = time.time()
+    outputs = await asyncio.gather(
+        *[sampler.sample(encode(tokenizer, p), params(seed=i)) for i, p in enumerate(PROMPTS)]
+    )
+    replied = time.time()
+    for out in outputs:
+        assert out.token_times is not None, "vLLM's per-request timestamps are on"
+        first, last = out.token_times
+        # The engine's monotonic stamps turned wall-clock: within the call, to clock reading.
+        assert sent - 0.01 <= first <= last <= replied + 0.01, (sent, first, last, replied)
+        if len(out.completion_ids) > 1:
+            assert first < last
 
 
 async def test_seeds_reproduce_and_differ(
@@ -257,6 +276,7 @@ async def test_with_partial_rollouts_a_request_continues_across_a_sync_on_the_ne
         await running_in(sampler)
         # Decoded beside it, a short request ends after the long one sampled a few tokens.
         await sampler.sample(encode(tokenizer, PROMPTS[1]), params(seed=0, max_tokens=8))
+        syncing_at = time.time()
         await sampler.load_weights(new.state_dict(), version=2)
         assert not running.done(), "the sync waited for no request"
         async with asyncio.timeout(60):
@@ -272,6 +292,9 @@ async def test_with_partial_rollouts_a_request_continues_across_a_sync_on_the_ne
     assert out.policy_version == 1 and out.oldest_version == 1
     assert out.finish_reason != "aborted" and n <= 240
     assert out.completion_ids[:cut] == uncut.completion_ids[:cut], "tokens before the cut kept"
+    assert out.token_times is not None
+    first, last = out.token_times
+    assert first < syncing_at < last, "the first token is the first request's, the last the next's"
     sampled = torch.tensor(out.logprobs)
     # Each token's logprob is that of the weights that sampled it (the trainer's recomputation).
     before = (recomputed(old, out, 1.0) - sampled)[:cut].abs().max().item()

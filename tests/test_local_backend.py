@@ -622,20 +622,24 @@ def test_backends_without_truncated_is_refuse_a_tis_cap_and_turn_auto_off(spec: 
     assert resolve_tis_cap(async_config(), backend.capabilities) is None
 
 
-async def test_local_full_kl_takes_the_vocabulary_wide_log_probs(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("estimator", "function"), [("full", "full_kl"), ("forward", "forward_kl")]
+)
+async def test_local_exact_kls_take_the_vocabulary_wide_log_probs(
+    monkeypatch: pytest.MonkeyPatch, estimator: str, function: str
 ) -> None:
     from backends.local import backend as backend_module
-    from torchkit.losses import full_kl
+    from torchkit import losses
 
     seen: list[tuple[torch.Size, torch.Size, float | None]] = []
+    exact = getattr(losses, function)
 
     def recording(lp: torch.Tensor, ref: torch.Tensor, clamp: float | None) -> torch.Tensor:
         seen.append((lp.shape, ref.shape, clamp))
-        return full_kl(lp, ref, clamp)
+        return exact(lp, ref, clamp)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(backend_module, "full_kl", recording)
-    local = {"kl_estimator": "full", "kl_clamp": 10.0}
+    monkeypatch.setattr(backend_module, function, recording)
+    local = {"kl_estimator": estimator, "kl_clamp": 10.0}
     config = local_config(kl_coef=0.1).model_copy(update={"local": local})
     backend = await started(config)
     out = await sample(backend, PROMPTS[0], 0)
@@ -646,7 +650,7 @@ async def test_local_full_kl_takes_the_vocabulary_wide_log_probs(
     await backend.shutdown()
 
 
-@pytest.mark.parametrize("estimator", ["k3", "full"])
+@pytest.mark.parametrize("estimator", ["k3", "full", "forward"])
 async def test_local_reports_the_kl_to_the_reference(estimator: str) -> None:
     """`train/kl_reference`, as the tinker and verl backends report it: 0 while the policy is the
     reference, above 0 once an update moved it; absent without a KL term."""
@@ -776,7 +780,7 @@ async def step_with_reference(overlap: bool, estimator: str) -> tuple[Any, list[
     return metrics, grads, where
 
 
-@pytest.mark.parametrize("estimator", ["k3", "full"])
+@pytest.mark.parametrize("estimator", ["k3", "full", "forward"])
 async def test_the_reference_scored_beside_the_policy_gives_the_same_step(estimator: str) -> None:
     """Async mode scores the KL reference in its own thread on the sampler's share; the losses
     and gradients are those of scoring it inline, micro-batch by micro-batch."""
@@ -804,7 +808,9 @@ async def test_the_reference_is_overlapped_only_where_the_threads_are_split() ->
         assert backend._reference_pool is None
 
 
-@pytest.mark.parametrize(("estimator", "vocabulary_kept"), [("k3", False), ("full", True)])
+@pytest.mark.parametrize(
+    ("estimator", "vocabulary_kept"), [("k3", False), ("full", True), ("forward", True)]
+)
 async def test_the_reference_scores_one_chunk_ahead_keeping_only_what_the_kl_reads(
     monkeypatch: pytest.MonkeyPatch, estimator: str, vocabulary_kept: bool
 ) -> None:

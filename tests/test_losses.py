@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchkit.losses import full_kl, kl_penalty, per_token_loss, token_weights
+from torchkit.losses import forward_kl, full_kl, kl_penalty, per_token_loss, token_weights
 
 LOSSES = ["cross_entropy", "importance_sampling", "ppo", "cispo"]
 
@@ -156,6 +156,26 @@ def test_full_kl_is_the_exact_kl_that_k3_estimates_from_samples() -> None:
     picked = p.gather(1, samples.T).T, ref.gather(1, samples.T).T
     torch.testing.assert_close(kl_penalty(*picked).mean(0), exact, rtol=0.05, atol=1e-3)
     assert torch.all(full_kl(p, ref, clamp=0.01) <= 0.01)
+
+
+def test_forward_kl_is_exact_and_its_gradient_is_the_one_k3_follows_on_average() -> None:
+    """k3 in the loss, on tokens the policy samples, pulls each by (ref/p - 1) grad log p: on
+    average the gradient of KL(ref || p), which `forward_kl` computes exactly (logits: p - ref)."""
+    torch.manual_seed(0)
+    logits, ref_logits = torch.randn(3, 7, requires_grad=True), torch.randn(3, 7)
+    p, ref = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+    exact = torch.distributions.kl_divergence(
+        torch.distributions.Categorical(logits=ref), torch.distributions.Categorical(logits=p)
+    )
+    torch.testing.assert_close(forward_kl(p, ref), exact)
+    assert torch.all(forward_kl(ref, ref) == 0)
+    assert torch.all(forward_kl(p, ref, clamp=0.01) <= 0.01)
+    (grad,) = torch.autograd.grad(forward_kl(p, ref).sum(), logits, retain_graph=True)
+    torch.testing.assert_close(grad, p.exp() - ref.exp())
+    samples = torch.distributions.Categorical(logits=p.detach()).sample((200_000,))  # [N, 3]
+    picked = p.gather(1, samples.T), ref.gather(1, samples.T)  # [3, N]
+    (k3_grad,) = torch.autograd.grad(kl_penalty(*picked).mean(1).sum(), logits)
+    torch.testing.assert_close(k3_grad, grad, rtol=0.05, atol=5e-3)
 
 
 def test_full_kl_sees_mass_moved_onto_a_token_never_sampled() -> None:

@@ -9,7 +9,8 @@ sampler's `old_logp_T` and the advantages `adv_T`, one entry per completion toke
 - `cispo`:                -sg(clip(r, 1-e, 1+e)) * A * logp       (clipped, stop-gradient IS weight)
 
 With `r = exp(logp - old)`. At r = 1 `ppo` equals `importance_sampling` in value and gradient.
-Optional terms: `kl_coef * k3(ref || train)` and `-entropy_coef * entropy`.
+Optional terms: `kl_coef * KL` to the reference (k3 on the sampled token, or exact over the
+vocabulary: `full_kl`, `forward_kl`) and `-entropy_coef * entropy`.
 
 Truncated importance sampling (`tis_cap`, the decoupled objective of AReaL): the ratio of each
 loss is taken against the proximal policy `prox = sg(logp)`, the trainer's own logprob before
@@ -34,6 +35,7 @@ import torch
 __all__ = [
     "LossAggregation",
     "LossTerms",
+    "forward_kl",
     "full_kl",
     "kl_penalty",
     "per_token_loss",
@@ -136,6 +138,22 @@ def full_kl(
     computed over the vocabulary, pushes it there; this sees it. `clamp` caps each token's value.
     """
     kl_T = (log_probs_TV.exp() * (log_probs_TV - ref_log_probs_TV)).sum(-1)
+    return kl_T if clamp is None else kl_T.clamp(max=clamp)
+
+
+def forward_kl(
+    log_probs_TV: torch.Tensor, ref_log_probs_TV: torch.Tensor, clamp: float | None = None
+) -> torch.Tensor:
+    """KL(ref || train) per token, exactly, over the vocabulary: sum_v ref_v (ref_v - log p_v).
+
+    Its gradient on the logits is `p - ref`: the mean of `kl_penalty`'s gradient on tokens the
+    policy samples (k3's there is `(1 - ref/p) grad log p`, whose mean under p is that), without
+    k3's variance, where a rare token the policy has all but dropped (ref/p in the hundreds)
+    takes a whole clipped step. The same mean pull is not the same run: on the single-turn
+    countdown k3's rare large pulls keep more answer patterns alive (docs/notes/
+    2026-12-countdown-floor.md). `clamp` caps each token's value.
+    """
+    kl_T = (ref_log_probs_TV.exp() * (ref_log_probs_TV - log_probs_TV)).sum(-1)
     return kl_T if clamp is None else kl_T.clamp(max=clamp)
 
 

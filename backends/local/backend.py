@@ -40,6 +40,7 @@ from torchkit.lora import (
 )
 from torchkit.losses import (
     LossAggregation,
+    forward_kl,
     full_kl,
     kl_penalty,
     per_token_loss,
@@ -129,10 +130,12 @@ class LocalConfig(BaseModel):
         gt=0,
         description="Clamp of the KL term's value per token (10: verl's low_var_kl); null: none.",
     )
-    kl_estimator: Literal["k3", "full"] = Field(
+    kl_estimator: Literal["k3", "full", "forward"] = Field(
         "k3",
-        description="k3: the sampled token's estimator (verl's low_var_kl); full: exact KL over "
-        "the vocabulary at each position, which also sees mass moved onto unsampled tokens.",
+        description="k3: the sampled token's estimator (verl's low_var_kl); full: exact "
+        "KL(train || ref) over the vocabulary at each position, which also sees mass moved onto "
+        "unsampled tokens; forward: exact KL(ref || train), the gradient k3 follows on average "
+        "without its variance (mass-covering: keeps what the reference writes).",
     )
     seed: int = Field(
         0, description="Seed of built-in model initialisation (also seeds the LoRA adapters)."
@@ -394,7 +397,7 @@ class LocalBackend(BackendProtocol):
         torch.set_num_threads(self._threads.sampler)  # OpenMP counts per OS thread
         with torch.no_grad():  # thread-local: set here, not by the caller
             scores = self._score(self.reference, chunk, with_entropy=False)
-        if self.settings.kl_estimator != "full":  # k3 reads only the sampled tokens'
+        if self.settings.kl_estimator == "k3":  # k3 reads only the sampled tokens'
             scores = scores._replace(log_probs_TV=scores.log_probs_TV.new_empty(0))
         return scores
 
@@ -422,6 +425,8 @@ class LocalBackend(BackendProtocol):
             clamp = self.settings.kl_clamp
             if self.settings.kl_estimator == "full":
                 kl_T = full_kl(log_probs_TV, ref.log_probs_TV, clamp)
+            elif self.settings.kl_estimator == "forward":
+                kl_T = forward_kl(log_probs_TV, ref.log_probs_TV, clamp)
             else:
                 kl_T = kl_penalty(logp_T, ref.logp_T, clamp)
             loss_T = loss_T + t.kl_coef * kl_T

@@ -14,6 +14,10 @@ and the way it synced before (a safetensors file written by `save_file`, reloade
     python -m bench.engines --batch 8 32 --max-tokens 64 --rounds 3 --json runs/bench-engines.json
     python -m bench.engines --model DIR --sync-only --rounds 3
     python -m bench.engines --sync-models builtin:tiny builtin:small builtin:base DIR
+    python -m bench.engines --token-times-cost --batch 8 64 --rounds 7
+
+`--token-times-cost`: two engines on the same model, one with vLLM's per-request stats (which
+give outputs their token times, the default) and one without, rounds alternating between them.
 """
 
 from __future__ import annotations
@@ -194,6 +198,48 @@ async def measure_sync(
     }
 
 
+async def measure_token_times(
+    args: argparse.Namespace, timed: VllmSampler, untimed: VllmSampler, tokenizer: Any
+) -> dict[str, Any]:
+    """Tokens per second with vLLM's per-request stats (token times) over without, per batch."""
+    rows = []
+    for size in args.batch:
+        batch = prompts(tokenizer, size, seed=size)
+        await round_of(timed, batch, 4)  # warm-up
+        await round_of(untimed, batch, 4)
+        rates: dict[str, list[float]] = {"timed": [], "untimed": []}
+        for _ in range(args.rounds):
+            rates["timed"].append(await round_of(timed, batch, args.max_tokens))
+            rates["untimed"].append(await round_of(untimed, batch, args.max_tokens))
+        timed_rate, untimed_rate = (statistics.median(rates[k]) for k in ("timed", "untimed"))
+        rows.append({"batch": size, "timed": timed_rate, "untimed": untimed_rate})
+        print(
+            f"batch {size:4d}: with token times {timed_rate:9.0f} tok/s, without "
+            f"{untimed_rate:9.0f} tok/s: {timed_rate / untimed_rate:.3f}x (medians of "
+            f"{args.rounds} alternating rounds)",
+            flush=True,
+        )
+    return {"model": args.model, "max_tokens": args.max_tokens, "token_times": rows}
+
+
+def run_token_times(args: argparse.Namespace) -> dict[str, Any]:
+    """Two engines on `args.model`, with and without token times, compared."""
+    model, tokenizer = load_policy(args.model)
+    with tempfile.TemporaryDirectory(prefix="bench-engines-") as root:
+        directory = Path(root) / "policy"
+        save_policy(model, tokenizer, directory)
+        settings = {"kv_cache_gb": args.kv_cache_gb, "max_num_seqs": max(args.batch)}
+        timed = VllmSampler.start(directory, settings, tokenizer=tokenizer)
+        try:
+            untimed = VllmSampler.start(directory, settings, tokenizer=tokenizer, token_times=False)
+            try:
+                return asyncio.run(measure_token_times(args, timed, untimed, tokenizer))
+            finally:
+                untimed.shutdown()
+        finally:
+            timed.shutdown()
+
+
 def run_model(args: argparse.Namespace, spec: str, sync_only: bool) -> dict[str, Any]:
     """Start vLLM on `spec` (a built-in name or a model directory) and measure it."""
     model, tokenizer = load_policy(spec)
@@ -232,11 +278,18 @@ def main() -> None:
     parser.add_argument(
         "--hf", action="store_true", help="also Hugging Face generate (the trainer's model)"
     )
+    parser.add_argument(
+        "--token-times-cost",
+        action="store_true",
+        help="only vLLM with its per-request stats (token times) against without",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.sync_models:
+    if args.token_times_cost:
+        results: dict[str, Any] = run_token_times(args)
+    elif args.sync_models:
         rows = [
             run_model(args, spec, sync_only=True) | {"model": spec} for spec in args.sync_models
         ]
@@ -249,7 +302,7 @@ def main() -> None:
                 f"{1e9 * row['sync_s'] / row['parameters']:.2f} s per billion parameters",
                 flush=True,
             )
-        results: dict[str, Any] = {"sync_models": rows}
+        results = {"sync_models": rows}
     else:
         results = run_model(args, args.model, sync_only=args.sync_only)
     if args.json:

@@ -491,3 +491,12 @@ def test_patterns_reads_a_runs_eval_answers_by_band_and_operators(
     assert patterns.main([str(tmp_path)]) == 0
     assert "small 100% middling 0%  | +- 1, ++ 1" in capsys.readouterr().out
     assert patterns.main([str(tmp_path / "nothing")]) == 2
+    not_countdown = episode(2, 8, ["x"], False) | {"task": {"question": "?"}}
+    with gzip.open(tmp_path / "records" / "records-000000003.jsonl.gz", "wt") as f:
+        f.write(json.dumps(not_countdown) + "\n")
+    assert patterns.main([str(tmp_path)]) == 2
+    assert "needs 'numbers'" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    (empty / "records").mkdir(parents=True)
+    assert patterns.main([str(empty)]) == 2
+    assert "recorded no evaluations" in capsys.readouterr().err

@@ -652,8 +652,9 @@ async def test_local_exact_kls_take_the_vocabulary_wide_log_probs(
 
 @pytest.mark.parametrize("estimator", ["k3", "full", "forward"])
 async def test_local_reports_the_kl_to_the_reference(estimator: str) -> None:
-    """`train/kl_reference`, as the tinker and verl backends report it: 0 while the policy is the
-    reference, above 0 once an update moved it; absent without a KL term."""
+    """`train/kl_reference` (KL(train || ref) as the tinker and verl backends report it; with
+    `forward` KL(ref || train)): 0 while the policy is the reference, above 0 once an update
+    moved it; absent without a KL term."""
     config = local_config(kl_coef=0.1, lr=1e-2).model_copy(
         update={"local": {"kl_estimator": estimator}}
     )

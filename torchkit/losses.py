@@ -114,7 +114,9 @@ KL_LOG_RATIO_CLAMP = 20.0
 def kl_penalty(
     logp_T: torch.Tensor, ref_logp_T: torch.Tensor, clamp: float | None = None
 ) -> torch.Tensor:
-    """k3(ref || train) per token: exp(ref - logp) - (ref - logp) - 1, >= 0, unbiased for KL.
+    """k3(ref || train) per token: exp(ref - logp) - (ref - logp) - 1, >= 0; on tokens the policy
+    samples its value is unbiased for KL(train || ref), its gradient for KL(ref || train)'s
+    (`forward_kl`).
 
     `clamp=10` is verl's `low_var_kl` (log ratio to +-20, value to at most 10): no token's pull
     exceeds ~13 times a policy-gradient token's, but past that ratio the pull back to the
@@ -146,8 +148,9 @@ def forward_kl(
 ) -> torch.Tensor:
     """KL(ref || train) per token, exactly, over the vocabulary: sum_v ref_v (ref_v - log p_v).
 
-    Its gradient on the logits is `p - ref`: the mean of `kl_penalty`'s gradient on tokens the
-    policy samples (k3's there is `(1 - ref/p) grad log p`, whose mean under p is that), without
+    Its gradient on the logits is `p - ref`: the mean of `kl_penalty`'s gradient (unclamped) on
+    tokens the policy samples now (k3's there is `(1 - ref/p) grad log p`, whose mean under p is
+    that; stale tokens and a clamp move it off), without
     k3's variance, where a rare token the policy has all but dropped (ref/p in the hundreds)
     takes a whole clipped step. The same mean pull is not the same run: on the single-turn
     countdown k3's rare large pulls keep more answer patterns alive (docs/notes/

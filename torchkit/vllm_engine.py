@@ -170,13 +170,16 @@ class VllmSampler:
         partial_rollout: bool = False,
         load_timeout_s: float | None = None,
         cleanup: Sequence[Path] = (),
+        token_times: bool = True,
     ) -> VllmSampler:
         """Start an engine on the model directory `model_dir` (e.g. written by `save_policy`).
 
         `partial_rollout`: a sync cuts running requests, which continue on the new weights
         (else it waits for them, up to `load_timeout_s`). `cleanup`: directories the engine
         removes if this process ends without shutting it down (as it does its weights file).
-        A misconfiguration (bad key, length, dtype, memory) is a one-line `ConfigError`.
+        `token_times`: vLLM keeps per-request stats, so outputs carry their first and last token
+        times (`bench.engines --token-times-cost` measures what that costs). A misconfiguration
+        (bad key, length, dtype, memory) is a one-line `ConfigError`.
         """
         directory = Path(model_dir)
         checked = check_settings(settings or {}, directory, key=key)
@@ -210,7 +213,8 @@ class VllmSampler:
             environment["PYTHONWARNINGS"] = engine_warning_options()
         try:
             with _environment(environment):  # read by the engine's processes as they start
-                engine = AsyncLLM.from_engine_args(args, stat_loggers=[_times_only_logger()])
+                loggers = [_times_only_logger()] if token_times else None
+                engine = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
         except Exception as e:  # vLLM raises ValueError, RuntimeError, ... at start-up
             shutil.rmtree(weights_dir, ignore_errors=True)
             raise ConfigError(f"the vLLM engine did not start: {one_line(e)}") from e

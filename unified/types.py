@@ -181,7 +181,7 @@ class ModelOutput(_Model):
     token_times: tuple[float, float] | None = Field(
         None,
         description="Wall-clock times (`time.time()`) of this call's first and last sampled "
-        "token, if the sampler reports them (the built-in one does): the rollout records' "
+        "token, if the sampler reports them (the built-in one and vLLM do): the rollout records' "
         "timeline tells queueing and prefill from decoding with them.",
     )
 

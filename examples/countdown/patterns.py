@@ -16,7 +16,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from unified.records import EpisodeRecord, EvalRecord, RecordError, read_records
+from examples.countdown.tasks import problem_of
+from unified.records import EpisodeRecord, EvalRecord, read_records
 
 __all__ = ["BANDS", "EvalPatterns", "band_of", "eval_patterns", "main", "operators"]
 
@@ -45,14 +46,18 @@ def operators(text: str) -> str:
 
 
 def eval_patterns(run_dir: Path) -> list[EvalPatterns]:
-    """Each evaluation of the run in `run_dir`, in step order, from its rollout records."""
+    """Each evaluation of the run in `run_dir`, in step order, from its rollout records.
+
+    Raises `RecordError` for a damaged record and ValueError for an episode that is not a
+    countdown task."""
     records, _ = read_records(run_dir)
     evals = {r.step: EvalPatterns(r.step, r.accuracy) for r in records if isinstance(r, EvalRecord)}
     for r in records:
         if isinstance(r, EpisodeRecord) and r.outcome == "eval" and r.step in evals:
             seen = evals[r.step]
             text = "".join(p for turn in r.turns for p in turn.pieces if not p.startswith("<|"))
-            band = seen.bands[band_of(int(r.task["target"]))]
+            _, target = problem_of(r.task)
+            band = seen.bands[band_of(target)]
             band[0] += bool(r.correct)
             band[1] += 1
             seen.patterns[operators(text)] += 1
@@ -68,8 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         evaluations = eval_patterns(args.run_dir)
-    except RecordError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (OSError, ValueError) as e:  # RecordError is a ValueError
+        print(f"error: {args.run_dir}: {e}", file=sys.stderr)
+        return 2
+    if not evaluations:
+        print(
+            f"error: {args.run_dir} recorded no evaluations (logging.record_eval was off?)",
+            file=sys.stderr,
+        )
         return 2
     for e in evaluations:
         bands = " ".join(

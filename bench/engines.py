@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -222,12 +224,20 @@ async def measure_token_times(
     return {"model": args.model, "max_tokens": args.max_tokens, "token_times": rows}
 
 
-def run_token_times(args: argparse.Namespace) -> dict[str, Any]:
-    """Two engines on `args.model`, with and without token times, compared."""
-    model, tokenizer = load_policy(args.model)
+@contextlib.contextmanager
+def saved_policy(spec: str) -> Iterator[tuple[Any, Any, Path]]:
+    """The model `spec` names (built-in or a directory), its tokenizer, and a temporary model
+    directory of it for vLLM to start on."""
+    model, tokenizer = load_policy(spec)
     with tempfile.TemporaryDirectory(prefix="bench-engines-") as root:
         directory = Path(root) / "policy"
         save_policy(model, tokenizer, directory)
+        yield model, tokenizer, directory
+
+
+def run_token_times(args: argparse.Namespace) -> dict[str, Any]:
+    """Two engines on `args.model`, with and without token times, compared."""
+    with saved_policy(args.model) as (_, tokenizer, directory):
         settings = {"kv_cache_gb": args.kv_cache_gb, "max_num_seqs": max(args.batch)}
         timed = VllmSampler.start(directory, settings, tokenizer=tokenizer)
         try:
@@ -242,10 +252,7 @@ def run_token_times(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_model(args: argparse.Namespace, spec: str, sync_only: bool) -> dict[str, Any]:
     """Start vLLM on `spec` (a built-in name or a model directory) and measure it."""
-    model, tokenizer = load_policy(spec)
-    with tempfile.TemporaryDirectory(prefix="bench-engines-") as root:
-        directory = Path(root) / "policy"
-        save_policy(model, tokenizer, directory)
+    with saved_policy(spec) as (model, tokenizer, directory):
         vllm = VllmSampler.start(
             directory,
             {"kv_cache_gb": args.kv_cache_gb, "max_num_seqs": max(args.batch)},

@@ -156,8 +156,7 @@ def forward_kl(
     countdown k3's rare large pulls keep more answer patterns alive (docs/notes/
     2026-12-countdown-floor.md). `clamp` caps each token's value.
     """
-    kl_T = (ref_log_probs_TV.exp() * (ref_log_probs_TV - log_probs_TV)).sum(-1)
-    return kl_T if clamp is None else kl_T.clamp(max=clamp)
+    return full_kl(ref_log_probs_TV, log_probs_TV, clamp)  # the same KL, its sides swapped
 
 
 def token_weights(

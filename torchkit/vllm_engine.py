@@ -107,8 +107,7 @@ class _Call:
     versions: list[int] = field(default_factory=list)  # policy version of each token
     cut: bool = False  # its request was aborted by a sync: it continues on the new weights
     stopped: bool = False  # abort_all: it ends with the tokens it has
-    first_at: float | None = None  # wall-clock time of its first token, over its requests
-    last_at: float | None = None  # and of its last
+    token_times: tuple[float, float] | None = None  # wall-clock first and last token, overall
 
 
 class VllmSampler:
@@ -292,11 +291,7 @@ class VllmSampler:
             # Recorded only when the request spans a sync, as the built-in sampler does.
             token_versions=call.versions if spans_syncs else None,
             temperature=params.temperature,
-            token_times=(
-                (call.first_at, call.last_at)
-                if call.first_at is not None and call.last_at is not None
-                else None
-            ),
+            token_times=call.token_times,
         )
 
     async def score_prompt(self, prompt_ids: list[int], top_k: int = 0) -> PromptLogprobs:
@@ -613,9 +608,8 @@ def _note_token_times(call: _Call, stats: Any) -> None:
     if stats is None or not stats.first_token_ts or not stats.last_token_ts:
         return
     offset = time.time() - time.monotonic()
-    if call.first_at is None:
-        call.first_at = stats.first_token_ts + offset
-    call.last_at = stats.last_token_ts + offset
+    first = call.token_times[0] if call.token_times else stats.first_token_ts + offset
+    call.token_times = (first, stats.last_token_ts + offset)
 
 
 def _sampled_logprobs(ids: list[int], logprobs: Any) -> list[float]:

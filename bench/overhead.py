@@ -91,7 +91,8 @@ class ZeroBackend(BackendProtocol):
 
     def __init__(self) -> None:
         self.version = 0
-        self.step_times: list[tuple[float, float]] = []  # (wall, CPU) at each optimizer step
+        # (wall, process CPU, the event loop thread's CPU) at each optimizer step
+        self.step_times: list[tuple[float, float, float]] = []
 
     async def setup(self, config: TrainerConfig) -> None:
         pass
@@ -103,7 +104,7 @@ class ZeroBackend(BackendProtocol):
         return {"train/loss": 0.0}
 
     async def optim_step(self) -> dict[str, float]:
-        self.step_times.append((time.perf_counter(), time.process_time()))
+        self.step_times.append((time.perf_counter(), time.process_time(), time.thread_time()))
         return {}
 
     async def on_policy_updated(self, version: int) -> None:
@@ -188,15 +189,23 @@ def per_trajectory(
 ) -> tuple[float, float]:
     """Steady-state (wall, CPU) microseconds per trajectory of one run (best of `--repeats`)."""
     best = (float("inf"), float("inf"))
-    for repeat in range(args.repeats):
-        with tempfile.TemporaryDirectory() as tmp:
-            run = config(args, tmp, mode=mode, name=f"{mode}{repeat}", logging={"records": records})
-            backend = ZeroBackend()
-            UnifiedTrainer(run, backend=backend, train_tasks=tasks(4096)).fit()
-        (wall0, cpu0), (wall1, cpu1) = backend.step_times[0], backend.step_times[-1]
-        n = (len(backend.step_times) - 1) * args.groups * args.group_size
-        best = min(best, ((wall1 - wall0) / n * 1e6, (cpu1 - cpu0) / n * 1e6))
+    for _ in range(args.repeats):
+        wall, cpu, _loop = one_run(args, mode, records)
+        best = min(best, (wall, cpu))
     return best
+
+
+def one_run(args: argparse.Namespace, mode: str, records: bool) -> tuple[float, float, float]:
+    """Steady-state microseconds per trajectory of one run: wall, process CPU, and the CPU of
+    the event loop's thread alone (its own work, without the waits for the GIL or the host)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run = config(args, tmp, mode=mode, name=mode, logging={"records": records})
+        backend = ZeroBackend()
+        UnifiedTrainer(run, backend=backend, train_tasks=tasks(4096)).fit()
+    first, last = backend.step_times[0], backend.step_times[-1]
+    n = (len(backend.step_times) - 1) * args.groups * args.group_size
+    wall, cpu, loop = ((b - a) / n * 1e6 for a, b in zip(first, last, strict=True))
+    return wall, cpu, loop
 
 
 def writer_cpu_us(args: argparse.Namespace) -> tuple[float, float]:
@@ -242,26 +251,37 @@ def writer_cpu_us(args: argparse.Namespace) -> tuple[float, float]:
     return spent[0] * per_us, (spent[0] - compressing[0]) * per_us
 
 
-def records_cost(args: argparse.Namespace) -> tuple[float, float]:
-    """The step time with the rollout records over without them (both series without pooled),
-    and the two series without compared (the noise floor of this host): `--records-runs` runs
-    each, interleaved in turns, compared by their lower quartiles. On a shared VM the slow runs
-    are other tenants' work, which only ever adds: the fast end of each series is the
-    trainer's own."""
+def records_cost(args: argparse.Namespace) -> dict[str, float]:
+    """What the rollout records cost the trainer, two ways, from `--records-runs` runs each
+    without, with and without again, interleaved in turns, compared by lower quartiles (on a
+    shared VM the slow runs are other tenants' work, which only ever adds; the fast end of each
+    series is the trainer's own), the two series without pooled:
+
+    - `wall`: step time with over without; `wall_noise`: the two series without compared (the
+      host's noise floor, which this ratio cannot see under);
+    - `loop`: the event loop thread's own CPU with over without (what recording adds to the
+      loop's work, blind to host noise and to the waits for the GIL, which `writer_cpu_us`
+      measures); `loop_noise`: its two series without compared.
+    """
     one = argparse.Namespace(**{**vars(args), "repeats": 1})
-    series: dict[str, list[float]] = {"without": [], "with": [], "without, again": []}
-    kinds = list(series)
+    kinds = ["without", "with", "without, again"]
+    walls: dict[str, list[float]] = {kind: [] for kind in kinds}
+    loops: dict[str, list[float]] = {kind: [] for kind in kinds}
     for turn in range(args.records_runs):
         for kind in kinds[turn % 3 :] + kinds[: turn % 3]:
-            wall, _ = per_trajectory(one, "async", records=kind == "with")
-            series[kind].append(wall)
+            wall, _, loop = one_run(one, "async", records=kind == "with")
+            walls[kind].append(wall)
+            loops[kind].append(loop)
 
     def low(times: list[float]) -> float:
         return statistics.quantiles(times, n=4)[0]
 
-    without = low(series["without"] + series["without, again"])
-    noise = low(series["without, again"]) / low(series["without"])
-    return low(series["with"]) / without, noise
+    def ratios(series: dict[str, list[float]]) -> tuple[float, float]:
+        without = low(series["without"] + series["without, again"])
+        return low(series["with"]) / without, low(series["without, again"]) / low(series["without"])
+
+    (wall, wall_noise), (loop, loop_noise) = ratios(walls), ratios(loops)
+    return {"wall": wall, "wall_noise": wall_noise, "loop": loop, "loop_noise": loop_noise}
 
 
 def direct(args: argparse.Namespace) -> tuple[float, float]:
@@ -356,7 +376,7 @@ def main() -> None:
         per_trajectory(args, "async"),
         per_trajectory(args, "sync"),
     )
-    records_ratio, noise_ratio = records_cost(args)
+    records = records_cost(args)
     writer = [writer_cpu_us(args) for _ in range(3)]
     records_cpu = statistics.median(total for total, _ in writer)
     records_gil = statistics.median(held for _, held in writer)
@@ -369,13 +389,16 @@ def main() -> None:
     )
     print(f"  async trainer: {us_async:.1f} us per trajectory ({cpu_async:.1f} us of CPU)")
     print(f"  sync trainer:  {us_sync:.1f} us per trajectory")
+    records_cost_share = records["loop"] - 1 + records_gil / us_async
     print(
         f"  rollout records (defaults: one group in {LoggingConfig().record_every}, the "
-        f"timeline): {records_ratio - 1:+.1%} of step time (lower quartiles of "
-        f"{args.records_runs} runs with them and twice as many without; two series without "
-        f"differ by {noise_ratio - 1:+.1%}); their writer thread's CPU: {records_cpu:.2f} us per "
-        f"trajectory, {records_gil:.2f} us of it holding the GIL "
-        f"({records_gil / us_async:.1%} of the async trainer's time)"
+        f"timeline), {args.records_runs} runs with them and twice as many without (lower "
+        f"quartiles): {records_cost_share:+.1%} of the trainer's time: the event loop's own CPU "
+        f"{records['loop'] - 1:+.1%} (its two series without differ by "
+        f"{records['loop_noise'] - 1:+.1%}), and their writer thread holding the GIL "
+        f"{records_gil / us_async:.1%} ({records_gil:.2f} us per trajectory of its "
+        f"{records_cpu:.2f} us of CPU); step time {records['wall'] - 1:+.1%} (the two series "
+        f"without differ by {records['wall_noise'] - 1:+.1%}: this host's noise floor)"
     )
     print(
         f"  workflow + backend alone, no trainer: {us_direct:.1f} us per call "
@@ -400,8 +423,11 @@ def main() -> None:
         "max_in_flight": int(memory["max_in_flight"]),
         "cpu_us_per_trajectory": cpu_async,
         "us_per_trajectory_sync": us_sync,
-        "records_step_time_ratio": records_ratio,
-        "records_noise_ratio": noise_ratio,
+        "records_cost_share": records_cost_share,
+        "records_loop_cpu_ratio": records["loop"],
+        "records_loop_cpu_noise_ratio": records["loop_noise"],
+        "records_step_time_ratio": records["wall"],
+        "records_noise_ratio": records["wall_noise"],
         "records_writer_cpu_us_per_trajectory": records_cpu,
         "records_writer_gil_us_per_trajectory": records_gil,
         "us_per_call_without_trainer": us_direct,

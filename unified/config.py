@@ -352,7 +352,7 @@ class LoggingConfig(_Section):
         "evaluation episode, the timeline of steps (`unified report` shows them).",
     )
     record_every: int = Field(
-        32,
+        64,
         ge=0,
         description="Rollout records: every Nth dispatched group has its episodes written to "
         "runs/<name>/records/, whatever its outcome (1: all; 0: none).",

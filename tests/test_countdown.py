@@ -33,6 +33,7 @@ from examples.countdown.baselines import (
     main,
 )
 from examples.countdown.expressions import random_tree, render
+from examples.countdown.warmstart import TARGET_SUFFIX
 from unified.data import load_tasks
 from unified.errors import UsageError
 from unified.protocol import RolloutEngine
@@ -273,6 +274,24 @@ def test_warmstart_examples_pair_train_prompts_with_valid_expressions() -> None:
         assert split_of(numbers, int(target)) == "train", f"eval prompt {user['content']}"
         assert parse_expression(assistant["content"], numbers) is not None, example
         assert len(assistant["content"]) <= 20, assistant["content"]
+
+
+def test_warmstart_target_examples_ask_for_the_target_and_the_rest_stay_expressions() -> None:
+    examples = warmstart_examples(400, seed=1, target_share=0.25)
+    asking = 0
+    for example in examples:
+        user, assistant = (m["content"] for m in example["messages"])
+        head, target = user.removesuffix(TARGET_SUFFIX).split(" -> ")
+        numbers = [int(x) for x in head.split()]
+        assert split_of(numbers, int(target)) == "train", f"eval prompt {user}"
+        if user.endswith(TARGET_SUFFIX):
+            asking += 1
+            assert assistant == target, example  # the target back, never an expression
+        else:
+            assert parse_expression(assistant, numbers) is not None, example
+    assert 60 <= asking <= 140, asking  # about a quarter
+    with pytest.raises(ValueError, match="target_share"):
+        warmstart_examples(5, target_share=1.0)
 
 
 def test_warmstart_examples_are_deterministic_for_a_seed() -> None:

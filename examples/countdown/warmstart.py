@@ -7,6 +7,11 @@ A tiny built-in model cannot learn the answer format from reward alone, so `unif
 teaches it: each example pairs a fresh train-split prompt with a random expression using every
 number exactly once. The expressions are not solutions (they hit the target only by chance), so
 the warm start teaches the format and leaves finding the target to RL.
+
+Random expressions never need the target, so a model taught only them ignores it, and RL must
+build the reading of it from nothing. A `target_share` of the examples therefore ask for the
+target back instead (`3 7 12 -> 33 ?` answered `33`): not an answer to any problem, but the
+model comes to RL already reading the target.
 """
 
 from __future__ import annotations
@@ -23,7 +28,16 @@ from examples.countdown.expressions import random_expression
 from examples.countdown.tasks import draw_problem, prompt, split_of
 from examples.countdown.tool_agent import calc_result, tool_call
 
-__all__ = ["random_expression", "tool_warmstart_examples", "warmstart_examples", "write_jsonl"]
+__all__ = [
+    "TARGET_SUFFIX",
+    "random_expression",
+    "tool_warmstart_examples",
+    "warmstart_examples",
+    "write_jsonl",
+]
+
+TARGET_SUFFIX = " ?"
+"""Ends the prompt of a warm-start example that asks for the target (`3 7 12 -> 33 ?`)."""
 
 
 def warmstart_examples(
@@ -34,11 +48,13 @@ def warmstart_examples(
     max_number: int = 20,
     max_target: int = 100,
     in_order: float = 0.0,
+    target_share: float = 0.0,
 ) -> list[dict[str, Any]]:
     """`n` chat examples `{"messages": [user prompt, assistant expression]}`, deterministic in seed.
 
     Problems are drawn like `make_tasks`' (same difficulty keywords) and kept only if they belong
     to the train split, so no eval prompt is ever seen in the warm start; repeats are allowed.
+    A `target_share` of them ask for the target instead (`TARGET_SUFFIX`, answered with it).
     """
     return tool_warmstart_examples(
         n,
@@ -48,6 +64,7 @@ def warmstart_examples(
         max_target=max_target,
         in_order=in_order,
         tool_share=0.0,
+        target_share=target_share,
     )
 
 
@@ -61,6 +78,7 @@ def tool_warmstart_examples(
     in_order: float = 0.0,
     tool_share: float = 0.5,
     max_checks: int = 2,
+    target_share: float = 0.0,
 ) -> list[dict[str, Any]]:
     """`n` chat examples for `CountdownToolAgent`: direct answers and checked ones, mixed.
 
@@ -69,7 +87,8 @@ def tool_warmstart_examples(
     a hit ends the episode (the agent scores it), and after `max_checks` misses an example
     answers another expression. The rest are answered directly, as in `warmstart_examples`
     (which is this with `tool_share=0`). Expressions are never chosen by the target, so the
-    warm start covers the format and leaves the policy to RL.
+    warm start covers the format and leaves the policy to RL. A `target_share` of the problems
+    ask for the target instead, as in `warmstart_examples`.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
@@ -77,6 +96,8 @@ def tool_warmstart_examples(
         raise ValueError(f"tool_share must be in [0, 1], got {tool_share}")
     if max_checks < 1:
         raise ValueError(f"max_checks must be >= 1, got {max_checks}")
+    if not 0.0 <= target_share < 1.0:
+        raise ValueError(f"target_share must be in [0, 1), got {target_share}")
     rng = random.Random(f"countdown-warmstart/{seed}")
     examples: list[dict[str, Any]] = []
     while len(examples) < n:
@@ -85,9 +106,12 @@ def tool_warmstart_examples(
         )
         if split_of(values, target) != "train":
             continue
-        context: list[dict[str, Any]] = [
-            {"role": "user", "content": prompt({"numbers": values, "target": target})}
-        ]
+        text = prompt({"numbers": values, "target": target})
+        # Drawn only when asked for, so target_share=0 keeps the old examples for the same seed.
+        if target_share and rng.random() < target_share:
+            examples.append(_chat({"role": "user", "content": text + TARGET_SUFFIX}, str(target)))
+            continue
+        context: list[dict[str, Any]] = [{"role": "user", "content": text}]
         # Drawn only when checking, so tool_share=0 keeps the old examples for the same seed.
         if tool_share == 0.0 or rng.random() >= tool_share:
             examples.append(_chat(*context, _expression(values, rng, in_order)))

@@ -36,6 +36,11 @@ def demo(tmp_path: Path) -> list[str]:
         ("trainer.bach_size=3", "unknown config key 'trainer.bach_size'; did you mean 'batch_"),
         ("trainer.zzz=3", "unknown config key 'trainer.zzz'; valid keys here: "),
         ("async.over_admit=1", "async.over_admit (1) applies only with async.strict_staleness"),
+        ("trainer.decay_steps=2", "trainer.decay_steps (2) applies only with trainer.lr_sched"),
+        (
+            "trainer.lr_schedule=wsd trainer.warmup_steps=2 trainer.decay_steps=99",
+            "trainer.warmup_steps (2) + trainer.decay_steps (99) exceed trainer.total_steps",
+        ),
         ("trainer.batch_size=lots", "config key 'trainer.batch_size'"),
         ("async.max_staleness=-1", "greater than or equal to 0"),
         ("workflow=unified.testing:NoSuchWorkflow", "has no attribute 'NoSuchWorkflow'"),
@@ -51,7 +56,7 @@ def demo(tmp_path: Path) -> list[str]:
 def test_bad_input_is_one_line_and_exit_code_2(
     capsys: pytest.CaptureFixture[str], demo: list[str], override: str, expected: str
 ) -> None:
-    code, _, err = run(capsys, "train", *demo, override)
+    code, _, err = run(capsys, "train", *demo, *override.split())
     assert code == 2, err
     assert expected in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -531,6 +531,20 @@ def test_learning_rate_schedule_counts_optimizer_steps(
     assert lrs == pytest.approx([1.0, 1.0, 0.75, 0.5, 0.25]), "one value per optimizer step"
 
 
+@pytest.mark.parametrize(
+    ("decay_steps", "expected"),
+    [(4, [1.0] * 6 + [1.0, 0.75, 0.5, 0.25]), (None, [1.0] * 8 + [1.0, 0.5])],  # None: a fifth
+)
+def test_wsd_holds_the_peak_then_decays_over_the_last_steps(
+    make_config: ConfigFactory, decay_steps: int | None, expected: list[float]
+) -> None:
+    trainer = {"total_steps": 10, "lr": 0.01, "lr_schedule": "wsd", "decay_steps": decay_steps}
+    backend = BanditBackend()
+    fit(make_config(mode="sync", trainer=trainer), backend)
+    lrs = [e[1] / 0.01 for e in backend.events if e[0] == "optim_step"]
+    assert lrs == pytest.approx(expected)
+
+
 def test_metrics_jsonl_uses_the_contract_names(make_config: ConfigFactory) -> None:
     config = make_config(mode="async", trainer={"eval_every": 2, "total_steps": 4})
     result = fit(config, BanditBackend(), eval_tasks=bandit_tasks(3, prefix="e"))

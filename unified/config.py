@@ -121,10 +121,18 @@ class TrainerSection(_Section):
         "grpo", description="Group baseline used to turn rewards into advantages."
     )
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
-    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="Decay over optimizer steps (not tasks) after warm-up."
+    lr_schedule: Literal["constant", "linear", "cosine", "wsd"] = Field(
+        "constant",
+        description="Decay over optimizer steps (not tasks) after warm-up. wsd (warm-up, "
+        "stable, decay): the peak rate until the last decay_steps, then linearly to zero.",
     )
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up.")
+    decay_steps: int | None = Field(
+        None,
+        ge=1,
+        description="With lr_schedule=wsd: optimizer steps of the final decay (null: the last "
+        "fifth of total_steps).",
+    )
     clip_ratio: float = Field(0.2, gt=0, description="PPO/CISPO clip range of the ratio.")
     tis_cap: float | Literal["auto"] | None = Field(
         "auto",
@@ -219,6 +227,29 @@ class TrainerSection(_Section):
         if isinstance(cap, float) and not cap >= 1.0:  # NaN too
             raise ValueError("must be >= 1 (a cap below 1 down-weights on-policy tokens)")
         return cap
+
+    @model_validator(mode="after")
+    def _decay_fits_the_run(self) -> TrainerSection:
+        if self.decay_steps is None:
+            return self
+        if self.lr_schedule != "wsd":
+            raise ValueError(
+                f"trainer.decay_steps ({self.decay_steps}) applies only with "
+                f"trainer.lr_schedule=wsd (it is {self.lr_schedule}); remove it or set "
+                "trainer.lr_schedule=wsd"
+            )
+        if self.warmup_steps + self.decay_steps > self.total_steps:
+            raise ValueError(
+                f"trainer.warmup_steps ({self.warmup_steps}) + trainer.decay_steps "
+                f"({self.decay_steps}) exceed trainer.total_steps ({self.total_steps}); "
+                "shorten them or raise total_steps"
+            )
+        return self
+
+    @property
+    def resolved_decay_steps(self) -> int:
+        """`decay_steps`, its default (the last fifth of the run, at least one step) filled in."""
+        return self.decay_steps if self.decay_steps is not None else max(1, self.total_steps // 5)
 
 
 class AsyncConfig(_Section):

@@ -166,7 +166,7 @@ class BackendCapabilities(BaseModel):
         "coefficient between steps.",
     )
     lr_schedules: frozenset[str] = Field(
-        frozenset({"constant", "linear", "cosine"}), description="Learning-rate schedules."
+        frozenset({"constant", "linear", "cosine", "wsd"}), description="Learning-rate schedules."
     )
     max_concurrency: int | None = Field(
         None, description="Most concurrent sampling requests the backend can serve, if bounded."

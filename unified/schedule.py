@@ -19,6 +19,9 @@ def learning_rate(settings: TrainerSection, step: int) -> float:
         return settings.lr * (1.0 - progress)
     if settings.lr_schedule == "cosine":
         return settings.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if settings.lr_schedule == "wsd":
+        left = settings.total_steps - step  # steps from this one to the end, this one included
+        return settings.lr * min(1.0, left / settings.resolved_decay_steps)
     return settings.lr
 
 

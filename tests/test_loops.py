@@ -173,10 +173,12 @@ def test_stragglers_past_their_deadline_are_requeued_and_their_tasks_trained_lat
     entries = ledger(result.run_dir)
     requeued = [e for e in entries if e.outcome == "requeued"]
     assert [e.task_id for e in requeued[:2]] == stragglers, f"requeued: {requeued}"
+    # A task requeued near the end may wait for the next run: the final checkpoint keeps it.
+    waiting = RunDirectory.load_state(result.run_dir / "checkpoints" / "step_000008").redispatch
     for gone in requeued:  # (a group over-admitted for them may expire ready later: waste)
         assert RUN_ENDED not in gone.reason or gone.step == 8, f"{gone} outlived the run early"
-        if gone.step == 8:
-            continue  # requeued after the last step: an extended run dispatches it first
+        if gone.step == 8 or gone.task_id in waiting:
+            continue  # an extended run dispatches it first
         seq = seqs([gone])[0]
         later = [e for e in entries if e.task_id == gone.task_id and seqs([e])[0] > seq]
         ended = [e.outcome != "requeued" or e.step == 8 for e in later]
@@ -185,9 +187,12 @@ def test_stragglers_past_their_deadline_are_requeued_and_their_tasks_trained_lat
     for e in entries:
         lag = e.trainer_version - e.policy_version
         assert e.outcome != "trained" or lag <= 1, f"{e.group_id} trained {lag} versions stale"
+    # A group still alive as the run ends is the final checkpoint's work in flight
+    # (episodes/in_flight_at_end), not thrown away: only the late ones count as thrown.
+    late = [e for e in requeued if RUN_ENDED not in e.reason]
     lines = metrics_lines(result.run_dir)
     thrown = sum(m["episodes/discarded"] + m["episodes/cancelled"] for m in lines)
-    assert thrown >= 2 * len(requeued), "the requeued groups' episodes are reported"
+    assert thrown >= 2 * len(late), "the requeued groups' episodes are reported"
     assert sum(m["groups/requeued"] for m in lines) == len(requeued)
 
 

@@ -33,6 +33,12 @@ from examples.countdown.baselines import (
     main,
 )
 from examples.countdown.expressions import random_tree, render
+from examples.countdown.prepare import (
+    RECIPE_FILE,
+    TOOL_WARMSTART_RECIPE,
+    WarmStartRecipe,
+    is_built,
+)
 from examples.countdown.warmstart import TARGET_SUFFIX
 from unified.data import load_tasks
 from unified.errors import UsageError
@@ -297,6 +303,17 @@ def test_warmstart_target_examples_ask_for_the_target_and_the_rest_stay_expressi
 def test_warmstart_examples_are_deterministic_for_a_seed() -> None:
     assert warmstart_examples(50, seed=2) == warmstart_examples(50, seed=2)
     assert warmstart_examples(50, seed=2) != warmstart_examples(50, seed=3)
+
+
+def test_the_tool_warm_start_is_rebuilt_when_its_base_recipe_changes(tmp_path: Path) -> None:
+    """Its base is named by a provider path that never changes; the base's recipe is the key."""
+    built = TOOL_WARMSTART_RECIPE.model_dump()
+    (tmp_path / RECIPE_FILE).write_text(json.dumps(built))
+    assert is_built(tmp_path, TOOL_WARMSTART_RECIPE)
+    older_base = TOOL_WARMSTART_RECIPE.model_copy(update={"base": WarmStartRecipe(steps=400)})
+    assert not is_built(tmp_path, older_base)
+    (tmp_path / RECIPE_FILE).write_text(json.dumps({k: v for k, v in built.items() if k != "base"}))
+    assert not is_built(tmp_path, TOOL_WARMSTART_RECIPE), "a cache from before the field"
 
 
 def test_write_jsonl_replaces_the_file_and_leaves_no_temporary(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "WARMSTART_DIR",
     "WarmStartRecipe",
     "ensure_warmstart",
+    "is_built",
     "tool_warmstart_model",
     "warmstart_model",
 ]
@@ -47,7 +48,12 @@ class WarmStartRecipe(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     base_model: str = "builtin:tiny"
-    steps: int = 400
+    base: WarmStartRecipe | None = None
+    """The recipe of `base_model` when that is another warm start: a change there rebuilds this
+    one too (the directory's recipe file is the cache key, and a provider path never changes)."""
+    steps: int = 600
+    """SFT steps. After 600 (not 400) RL turns to the subtraction for small targets at step
+    400-450 instead of 450-650, with time left to settle it (docs/results.md)."""
     batch_size: int = 64
     lr: float = 3e-3
     seed: int = 0
@@ -61,7 +67,7 @@ class WarmStartRecipe(BaseModel):
     target_share: float = 0.25
     """Share of examples that ask for the target back (`warmstart.py`): RL starts from a model
     that reads it. Without them 8 of 43 runs of the main command ended within 3 points of the
-    best fixed pattern; with them 1 of 14 (docs/results.md)."""
+    best fixed pattern; with them 1 of 14, and none since the 600 steps (docs/results.md)."""
     revision: int = 2
     """Bumped when the same fields build another model: 2 since the built-in tokenizer spells the
     tool-call format in a few tokens. A cache written before a field existed is rebuilt."""
@@ -69,6 +75,7 @@ class WarmStartRecipe(BaseModel):
 
 TOOL_WARMSTART_RECIPE = WarmStartRecipe(
     base_model="examples.countdown.prepare:warmstart_model",
+    base=WarmStartRecipe(),
     steps=300,
     lr=3e-3,
     tool_share=0.5,
@@ -83,13 +90,18 @@ order of the numbers (`in_order=1.0`): RL then miscopies fewer numbers into its 
 written `11`) and gains more in 250 steps (docs/benchmarks.md, "Numbers in the prompt's order")."""
 
 
+def is_built(directory: Path, recipe: WarmStartRecipe) -> bool:
+    """Whether `directory` holds the model `recipe` builds (its recipe file, field for field)."""
+    found = directory / RECIPE_FILE
+    # Compared as written, not validated: a field missing from an old cache must not default.
+    return found.is_file() and json.loads(found.read_text()) == recipe.model_dump()
+
+
 def ensure_warmstart(directory: str | Path, recipe: WarmStartRecipe | None = None) -> Path:
     """The warm-started model directory, built first if missing or made by another recipe."""
     recipe = recipe or WarmStartRecipe()
     directory = Path(directory)
-    found = directory / RECIPE_FILE
-    # Compared as written, not validated: a field missing from an old cache must not default.
-    if found.is_file() and json.loads(found.read_text()) == recipe.model_dump():
+    if is_built(directory, recipe):
         return directory
     print(
         f"building the countdown warm start in {directory} ({recipe.steps} SFT steps)", flush=True

@@ -53,7 +53,7 @@ class WarmStartRecipe(BaseModel):
     one too (the directory's recipe file is the cache key, and a provider path never changes)."""
     steps: int = 600
     """SFT steps. After 600 (not 400) RL turns to the subtraction for small targets at step
-    400-450 instead of 450-650, with time left to settle it (docs/results.md)."""
+    400-600 instead of 450-750 or never, with time left to settle it (docs/results.md)."""
     batch_size: int = 64
     lr: float = 3e-3
     seed: int = 0

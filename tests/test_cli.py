@@ -176,6 +176,14 @@ def test_a_resume_over_other_tasks_or_another_seed_is_refused_and_changes_nothin
     assert checkpoints == ["step_000010"]
 
 
+def test_a_resumed_run_says_where_it_continued_from(
+    capsys: pytest.CaptureFixture[str], demo: list[str]
+) -> None:
+    assert run(capsys, "train", *demo, "trainer.total_steps=10")[0] == 0
+    code, out, err = run(capsys, "train", *demo, "trainer.total_steps=14", "resume=true")
+    assert code == 0 and "trained 14 steps (resumed at step 10)" in out, err
+
+
 def test_console_script_exits_2_on_a_bad_key(tmp_path: Path) -> None:
     script = Path(sys.executable).with_name("unified")
     proc = subprocess.run(

@@ -75,7 +75,8 @@ def test_a_script_stopped_with_ctrl_c_resumes_with_the_command_it_prints(
     said = re.search(r"continue with: (.+)$", err.decode(), re.MULTILINE)
     assert said, f"the stop message prints a command that resumes: {err.decode()}"
     (run_path,) = tmp_path.iterdir()
-    assert RunDirectory(run_path).latest_checkpoint() is not None
+    stopped = RunDirectory(run_path).latest_checkpoint()
+    assert stopped is not None
 
     again = subprocess.run(
         ["bash", "-c", said.group(1)], cwd=REPO, env=env, capture_output=True, timeout=600
@@ -90,6 +91,8 @@ def test_a_script_stopped_with_ctrl_c_resumes_with_the_command_it_prints(
         e.group_id for e in RunDirectory(run_path).read_ledger() if e.outcome == "trained"
     )
     assert trained and max(trained.values()) == 1, f"a group trained twice: {trained}"
+    resumed_at = int(stopped.name.removeprefix("step_"))
+    assert f": steps {resumed_at + 1}-{STEPS} of RL in " in again.stdout.decode()
     assert "final checkpoint: " in again.stdout.decode(), "the report names the checkpoint"
     assert f"report (open in a browser): {run_path}/report.html" in again.stdout.decode()
     assert (run_path / "report.html").is_file()

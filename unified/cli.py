@@ -181,7 +181,8 @@ def _train(config_path: str, overrides: Sequence[str], *, dry_run: bool) -> int:
     result = trainer.fit()
     accuracy = result.metrics.get("eval/accuracy")
     shown = f", eval/accuracy {accuracy:.3f}" if accuracy is not None else ""
-    print(f"trained {result.steps} steps{shown}; run directory: {result.run_dir}")
+    resumed = "" if result.resumed_from is None else f" (resumed at step {result.resumed_from})"
+    print(f"trained {result.steps} steps{resumed}{shown}; run directory: {result.run_dir}")
     return 0
 
 

@@ -44,11 +44,13 @@ __all__ = ["TrainResult", "TrainingInterrupted", "TrainingStopped", "UnifiedTrai
 
 
 class TrainResult(BaseModel):
-    """What `fit` returns: optimizer steps run, the last step's metrics, the run directory."""
+    """What `fit` returns: the run's optimizer steps, the last step's metrics, the run directory."""
 
     steps: int
     metrics: dict[str, float]
     run_dir: Path
+    resumed_from: int | None = None
+    """The checkpoint step this `fit` continued from (`resume=true`); None for a fresh run."""
 
 
 class UnifiedTrainer:
@@ -175,7 +177,13 @@ class UnifiedTrainer:
                     error.add_note(f"checkpoint {checkpoint}; continue with resume=true")
             raise error
         assert loop is not None
-        return TrainResult(steps=loop.step, metrics=loop.last_metrics, run_dir=self.run.path)
+        resumed = self.run.resumed_step
+        return TrainResult(
+            steps=loop.step,
+            metrics=loop.last_metrics,
+            run_dir=self.run.path,
+            resumed_from=resumed if resumed is not None and resumed >= 0 else None,
+        )
 
     async def _train(self, session: BackendSession) -> TrainingLoop:
         """Resolve the model, make the run directory, build the loop, set the backend up, and

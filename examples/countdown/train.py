@@ -91,9 +91,15 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
     built = (
         f" (after {build_minutes:.1f} min building the warm start)" if build_minutes > 0.05 else ""
     )
+    resumed = result.resumed_from
+    if resumed is None:
+        ran = f"{result.steps} steps"
+    elif resumed < result.steps:
+        ran = f"steps {resumed + 1}-{result.steps}"
+    else:
+        ran = f"no steps (the run had ended at step {resumed})"
     print(
-        f"\ncountdown, {config.mode} on {config.backend}: {result.steps} steps of RL in "
-        f"{minutes:.1f} min{built}"
+        f"\ncountdown, {config.mode} on {config.backend}: {ran} of RL in {minutes:.1f} min{built}"
     )
     print(f"  greedy eval accuracy on {n} problems, before training: {summary['before']:.1%}")
     print(

@@ -112,3 +112,14 @@ def test_a_resume_with_nothing_to_resume_is_one_line_and_exit_2(tmp_path: Path) 
     assert len(err.splitlines()) == 1 and "found no checkpoint" in err, err
     assert f"{tmp_path}/countdown-local-sync-<date>-<time>/checkpoints" in err, err
     assert not any(tmp_path.iterdir()), "nothing is created"
+
+
+def test_resuming_a_finished_run_trains_nothing_and_says_so(tmp_path: Path) -> None:
+    command = ["bash", "examples/countdown/local_sync.sh", *SMALL, f"logging.run_dir={tmp_path}"]
+    first = subprocess.run(command, cwd=REPO, env=script_env(), capture_output=True, timeout=300)
+    assert first.returncode == 0, first.stderr.decode()
+    again = subprocess.run(
+        [*command, "resume=true"], cwd=REPO, env=script_env(), capture_output=True, timeout=300
+    )
+    assert again.returncode == 0, again.stderr.decode()
+    assert f"no steps of RL, the run had ended at step {STEPS}" in again.stdout.decode()

@@ -93,14 +93,12 @@ def _train_and_report(config_path: str, overrides: list[str]) -> int:
     )
     resumed = result.resumed_from
     if resumed is None:
-        ran = f"{result.steps} steps"
+        ran = f"{result.steps} steps of RL in {minutes:.1f} min"
     elif resumed < result.steps:
-        ran = f"steps {resumed + 1}-{result.steps}"
+        ran = f"steps {resumed + 1}-{result.steps} of RL in {minutes:.1f} min"
     else:
-        ran = f"no steps (the run had ended at step {resumed})"
-    print(
-        f"\ncountdown, {config.mode} on {config.backend}: {ran} of RL in {minutes:.1f} min{built}"
-    )
+        ran = f"no steps of RL, the run had ended at step {resumed}"
+    print(f"\ncountdown, {config.mode} on {config.backend}: {ran}{built}")
     print(f"  greedy eval accuracy on {n} problems, before training: {summary['before']:.1%}")
     print(
         f"  greedy eval accuracy after training (mean of the last "
